@@ -1,0 +1,42 @@
+"""A local Agents API for tests, benchmarks, the demo, and users testing their own tools.
+
+It speaks the wire format of ``client.beta.agents.sessions`` (openai >= 3.51), runs a
+scripted model, injects faults on request, and records every tool result it receives.
+"""
+
+from toolledger.emulator.app import create_app
+from toolledger.emulator.control import EmulatorControl, ReceivedToolResult
+from toolledger.emulator.faults import (
+    AcceptThenDrop,
+    CloseStreams,
+    DelayRegistration,
+    DropBeforeApply,
+    DuplicateEvents,
+    FailSubmissions,
+    Fault,
+    UnknownPending,
+)
+from toolledger.emulator.script import SCRIPT_METADATA_KEY, Script, ScriptedCall, ScriptStep
+from toolledger.emulator.server import EmulatorServer, serve
+from toolledger.emulator.state import EmulatorState
+
+__all__ = [
+    "SCRIPT_METADATA_KEY",
+    "AcceptThenDrop",
+    "CloseStreams",
+    "DelayRegistration",
+    "DropBeforeApply",
+    "DuplicateEvents",
+    "EmulatorControl",
+    "EmulatorServer",
+    "EmulatorState",
+    "FailSubmissions",
+    "Fault",
+    "ReceivedToolResult",
+    "Script",
+    "ScriptStep",
+    "ScriptedCall",
+    "UnknownPending",
+    "create_app",
+    "serve",
+]

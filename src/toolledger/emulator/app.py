@@ -1,0 +1,255 @@
+"""HTTP face of the emulator: the Agents API routes the SDK calls, and a control API for tests."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from toolledger.emulator import wire
+from toolledger.emulator.asgi import DroppedResponse, EventStreamResponse
+from toolledger.emulator.faults import FaultAdapter
+from toolledger.emulator.inputs import (
+    EVENTS_BODY,
+    SESSION_CREATE_BODY,
+    check_metadata,
+    describe,
+)
+from toolledger.emulator.script import Script
+from toolledger.emulator.state import EmulatorAPIError, EmulatorState, SubmissionOutcome
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""Larger request bodies get 413, as a front proxy would answer."""
+
+log = logging.getLogger("toolledger.emulator")
+
+
+class SessionUpdateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: dict[str, str] | None = None
+    agent: dict[str, Any] | None = None
+    review: Literal["none", "auto_review"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+
+class FailSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(default="The session failed (injected by the emulator).", max_length=2000)
+
+
+SESSION_UPDATE_BODY: TypeAdapter[SessionUpdateBody] = TypeAdapter(SessionUpdateBody)
+FAIL_SESSION_BODY: TypeAdapter[FailSessionBody] = TypeAdapter(FailSessionBody)
+SCRIPT: TypeAdapter[Script] = TypeAdapter(Script)
+
+
+def create_app(state: EmulatorState | None = None, *, api_key: str | None = None) -> FastAPI:
+    """The emulator as an ASGI app; ``api_key`` makes it refuse other bearer tokens."""
+    emulator = state or EmulatorState()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        emulator.close()
+
+    app = FastAPI(title="toolledger Agents API emulator", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.emulator = emulator
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        supplied = request.headers.get("authorization", "")
+        if not hmac.compare_digest(supplied.encode(), f"Bearer {api_key}".encode()):
+            raise EmulatorAPIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    Authorized = Depends(authorize)
+
+    @app.exception_handler(EmulatorAPIError)
+    async def _api_error(_request: Request, error: EmulatorAPIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][1:]) or None
+        message = f"Invalid value for '{param}': {first['msg']}." if param else f"{first['msg']}."
+        return JSONResponse(
+            wire.error_body(message, error_type="invalid_request_error", code="invalid_value", param=param),
+            status_code=400,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            wire.error_body(str(error.detail), error_type="invalid_request_error", code=None),
+            status_code=error.status_code,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
+        log.exception("emulator bug")
+        return JSONResponse(
+            wire.error_body("The emulator failed unexpectedly.", error_type="server_error", code=None),
+            status_code=500,
+        )
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise EmulatorAPIError(
+                413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="body_too_large"
+            )
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise EmulatorAPIError(
+                413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="body_too_large"
+            )
+        return body
+
+    def parse(adapter: TypeAdapter[Any], raw: bytes) -> Any:
+        try:
+            return adapter.validate_json(raw)
+        except ValidationError as error:
+            message, param = describe(error)
+            raise EmulatorAPIError(400, message, code="invalid_value", param=param) from None
+
+    # ------------------------------------------------------------- Agents API
+
+    @app.post("/v1/agents/sessions", dependencies=[Authorized])
+    async def create_session(request: Request) -> Response:
+        body = parse(SESSION_CREATE_BODY, await read_body(request))
+        session, subscriber = emulator.create_session(body)
+        if subscriber is not None:
+            return EventStreamResponse(emulator.deliveries(subscriber))
+        return JSONResponse(session.json())
+
+    @app.get("/v1/agents/sessions", dependencies=[Authorized])
+    async def list_sessions(
+        request: Request,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+        agent_id: str | None = None,
+    ) -> JSONResponse:
+        metadata = {
+            key[len("metadata[") : -1]: value
+            for key, value in request.query_params.multi_items()
+            if key.startswith("metadata[") and key.endswith("]")
+        }
+        try:
+            check_metadata(metadata)
+        except ValueError as error:
+            raise EmulatorAPIError(400, str(error), param="metadata") from None
+        return JSONResponse(
+            emulator.list_sessions(
+                limit=limit, after=after, order=order, agent_id=agent_id, metadata=metadata
+            )
+        )
+
+    @app.get("/v1/agents/sessions/{session_id}", dependencies=[Authorized])
+    async def retrieve_session(session_id: str) -> JSONResponse:
+        return JSONResponse(emulator.session(session_id).json())
+
+    @app.post("/v1/agents/sessions/{session_id}", dependencies=[Authorized])
+    async def update_session(session_id: str, request: Request) -> JSONResponse:
+        update = parse(SESSION_UPDATE_BODY, await read_body(request))
+        session = emulator.session(session_id)
+        if update.metadata is not None:
+            try:
+                check_metadata(update.metadata)
+            except ValueError as error:
+                raise EmulatorAPIError(400, str(error), param="metadata") from None
+            session.metadata = dict(update.metadata)
+        if update.agent is not None:
+            merged = {**session.agent, **update.agent}
+            session.agent = wire.agent(session.agent["id"], merged)
+        return JSONResponse(session.json())
+
+    @app.delete("/v1/agents/sessions/{session_id}", dependencies=[Authorized])
+    async def delete_session(session_id: str) -> JSONResponse:
+        return JSONResponse(emulator.delete_session(session_id))
+
+    @app.post("/v1/agents/sessions/{session_id}/events", dependencies=[Authorized])
+    async def create_events(session_id: str, request: Request) -> Response:
+        emulator.session(session_id)
+        raw = await read_body(request)
+        body = parse(EVENTS_BODY, raw)
+        submission = emulator.submit(
+            session_id, body, idempotency_key=request.headers.get("idempotency-key"), raw=raw
+        )
+        if submission.outcome is SubmissionOutcome.ANSWER:
+            return Response(status_code=submission.status)
+        return DroppedResponse()
+
+    @app.get("/v1/agents/sessions/{session_id}/events", dependencies=[Authorized])
+    async def stream_events(session_id: str, include_obfuscation: bool = True) -> Response:
+        subscriber = emulator.subscribe(session_id, obfuscate=include_obfuscation)
+        return EventStreamResponse(emulator.deliveries(subscriber))
+
+    # ------------------------------------------------------------ control API
+
+    @app.get("/_emulator/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/_emulator/faults")
+    async def arm_fault(request: Request) -> dict[str, Any]:
+        fault = parse(FaultAdapter, await read_body(request))
+        armed = emulator.arm(fault)
+        return {"id": armed.id, **fault.model_dump()}
+
+    @app.get("/_emulator/faults")
+    async def list_faults() -> list[dict[str, object]]:
+        return emulator.faults.listing()
+
+    @app.delete("/_emulator/faults")
+    async def clear_faults() -> dict[str, bool]:
+        emulator.faults.clear()
+        return {"cleared": True}
+
+    @app.put("/_emulator/scripts/{name}")
+    async def register_script(name: str, request: Request) -> dict[str, str]:
+        emulator.scripts[name] = parse(SCRIPT, await read_body(request))
+        return {"name": name}
+
+    @app.put("/_emulator/default-script")
+    async def set_default_script(request: Request) -> dict[str, bool]:
+        emulator.default_script = parse(SCRIPT, await read_body(request))
+        return {"ok": True}
+
+    @app.put("/_emulator/sessions/{session_id}/script")
+    async def set_session_script(session_id: str, request: Request) -> dict[str, bool]:
+        emulator.set_script(session_id, parse(SCRIPT, await read_body(request)))
+        return {"ok": True}
+
+    @app.post("/_emulator/sessions/{session_id}/fail")
+    async def fail_session(session_id: str, request: Request) -> dict[str, bool]:
+        raw = await read_body(request)
+        body = parse(FAIL_SESSION_BODY, raw) if raw.strip() else FailSessionBody()
+        emulator.fail_session(session_id, body.message)
+        return {"ok": True}
+
+    @app.post("/_emulator/sessions/{session_id}/cancel")
+    async def cancel_turn(session_id: str) -> dict[str, bool]:
+        emulator.cancel_turn(session_id)
+        return {"ok": True}
+
+    @app.get("/_emulator/tool-results")
+    async def tool_results(session_id: str | None = None) -> list[dict[str, Any]]:
+        return emulator.tool_results(session_id)
+
+    @app.post("/_emulator/reset")
+    async def reset() -> dict[str, bool]:
+        emulator.reset()
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,184 @@
+"""JSON shapes of the Agents API as the openai SDK parses them (types/beta/agent_session*.py).
+
+Every object the emulator sends is built here, so one file answers "what does the wire
+look like"; tests parse each of them with the SDK's strict validation.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+import time
+from typing import Any
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def obfuscation() -> str:
+    """Random padding the real service adds to stream events unless asked not to."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(secrets.randbelow(16) + 4))
+
+
+def agent(agent_id: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The session's effective agent. Only function tools are echoed: the SDK's AgentTool
+    union has no ``tool_search`` entry, and the emulator runs no hosted tools."""
+    tools = [
+        {
+            "type": "function",
+            "name": tool["name"],
+            "description": tool.get("description", ""),
+            "parameters": tool.get("parameters", {}),
+            "defer_loading": bool(tool.get("defer_loading", False)),
+        }
+        for tool in config.get("tools") or []
+        if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)
+    ]
+    reasoning = config.get("reasoning") or {}
+    return {
+        "id": agent_id,
+        "instructions": config.get("instructions"),
+        "model": config.get("model") or "emulated-model",
+        "name": config.get("name"),
+        "multi_agent": {"enabled": False, "max_concurrent_subagents": None},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "service_tier": config.get("service_tier") or "auto",
+        "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        "tools": tools,
+    }
+
+
+def session(
+    *,
+    session_id: str,
+    agent_json: dict[str, Any],
+    created_at: int,
+    last_active_at: int,
+    metadata: dict[str, str],
+    status: str,
+    error: str | None,
+    required_actions: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
+        "id": session_id,
+        "object": "agent.session",
+        "agent": agent_json,
+        "created_at": created_at,
+        "last_active_at": last_active_at,
+        "environment": {"type": "none"},
+        "error": error,
+        "metadata": dict(metadata),
+        "required_actions": required_actions,
+        "status": status,
+        "usage": None,
+        "vault_ids": [],
+    }
+
+
+def session_deleted(session_id: str) -> dict[str, Any]:
+    return {"id": session_id, "deleted": True, "object": "agent.session.deleted"}
+
+
+def turn(
+    *,
+    turn_id: str,
+    session_id: str,
+    agent_id: str,
+    status: str,
+    created_at: int,
+    started_at: int | None,
+    completed_at: int | None,
+    error: dict[str, str] | None,
+) -> dict[str, Any]:
+    return {
+        "id": turn_id,
+        "object": "agent.session.turn",
+        "agent_id": agent_id,
+        "session_id": session_id,
+        "status": status,
+        "created_at": created_at,
+        "started_at": started_at,
+        "completed_at": completed_at,
+        "error": error,
+        "subagent_id": None,
+        "usage": None,
+    }
+
+
+def function_call_action(*, turn_id: str, call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """An entry of ``session.required_actions``."""
+    return {
+        "type": "function_call",
+        "turn_id": turn_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def function_call_item(
+    *, item_id: str, turn_id: str, call_id: str, name: str, arguments: Any, status: str
+) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "turn_id": turn_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def function_call_output_item(*, item_id: str, turn_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    success = bool(result.get("success"))
+    return {
+        "type": "function_call_output",
+        "id": item_id,
+        "turn_id": turn_id,
+        "call_id": result["call_id"],
+        "status": "completed" if success else "failed",
+        "output": result.get("output") if success else None,
+        "error": None if success else result.get("error"),
+    }
+
+
+def user_message_item(*, item_id: str, turn_id: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "turn_id": turn_id,
+        "role": "user",
+        "status": "completed",
+        "content": content,
+    }
+
+
+def assistant_message_item(*, item_id: str, turn_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "turn_id": turn_id,
+        "role": "assistant",
+        "phase": "final_answer",
+        "status": status,
+        "content": [{"type": "output_text", "text": text}] if status == "completed" else [],
+    }
+
+
+def event(event_type: str, **fields: Any) -> dict[str, Any]:
+    return {"type": event_type, "event_id": new_id("evt"), **fields}
+
+
+def error_body(
+    message: str, *, error_type: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    """The error envelope of the OpenAI API; the SDK reads ``body["error"]``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
