@@ -91,7 +91,7 @@ class EmulatorControl:
         self,
         *,
         after_events: int = 0,
-        mode: str = "drop",
+        mode: Literal["drop", "end"] = "drop",
         session_id: str | None = None,
         count: int | None = 1,
     ) -> int:
