@@ -50,5 +50,26 @@ def emulator(host: str, port: int, api_key: str | None, script_path: Path | None
     serve(host=host, port=port, api_key=api_key, default_script=default_script, log_level=log_level)
 
 
+@main.command()
+@click.option(
+    "--database-url", default=None, help="Ledger database (default: TOOLLEDGER_DATABASE_URL or SQLite)."
+)
+@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option("--downgrade", is_flag=True, help="Go down to --revision (e.g. base) instead of up.")
+def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
+    """Bring the ledger's schema to a revision (idempotent; run once per release)."""
+    from toolledger.settings import Settings
+    from toolledger.store import migrate as migrations
+
+    url = Settings(**({"database_url": database_url} if database_url else {})).database_url
+    before = migrations.current_revision(url)
+    if downgrade:
+        migrations.downgrade(url, revision)
+    else:
+        migrations.upgrade(url, revision)
+    after = migrations.current_revision(url)
+    click.echo(f"ledger schema: {before or 'empty'} -> {after or 'empty'}")
+
+
 if __name__ == "__main__":
     main()

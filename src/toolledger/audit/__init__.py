@@ -1,0 +1,1 @@
+"""Audit views of the ledger (CLI, HTTP API, web view)."""

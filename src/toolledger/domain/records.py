@@ -1,0 +1,66 @@
+"""What the ledger returns: plain values, free of the database layer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.states import CallStatus, EffectClass
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    key: CallKey
+    tool_name: str
+    arguments: str
+    arguments_sha256: str
+    status: CallStatus
+    effect_class: EffectClass
+    idempotency_key: str
+    attempt_count: int
+    lease_owner: str | None
+    lease_token: int
+    lease_expires_at: datetime | None
+    result: str | None
+    error_stage: str | None
+    error_detail: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    submitted_at: datetime | None
+    confirmed_at: datetime | None
+    submission_count: int
+    last_submission_error: str | None
+    abandoned_reason: str | None
+
+    @property
+    def payload(self) -> dict[str, Any] | None:
+        """The stored tool_result event, exactly as it is (re)submitted."""
+        return None if self.result is None else json.loads(self.result)
+
+
+@dataclass(frozen=True)
+class CallEvent:
+    id: int
+    key: CallKey
+    at: datetime
+    actor: str
+    kind: str
+    from_status: str | None
+    to_status: str | None
+    lease_token: int | None
+    reason: str | None
+    detail: str | None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What recording a delivered call found."""
+
+    call: CallRecord
+    claimed: bool
+    """This worker recorded it and holds its lease (``call.lease_token``)."""
+    arguments_mismatch: bool = False

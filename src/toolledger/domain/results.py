@@ -1,0 +1,160 @@
+"""The tool_result payload: what the model is told, built once and stored byte for byte."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import pydantic
+import pydantic_core
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.redaction import redact_text
+
+FAILED_MESSAGE = "Tool handler failed."
+"""What the model hears of an unexpected exception: never the exception's text."""
+TIMEOUT_MESSAGE = "Tool handler timed out."
+OUTPUT_FAILED_MESSAGE = "Tool output could not be returned."
+OUTPUT_TOO_LARGE_MESSAGE = "Tool output exceeded the size limit."
+UNKNOWN_OUTCOME_MESSAGE = (
+    "The tool's outcome is unknown after an interruption; it was not run again. Do not assume it succeeded."
+)
+POISON_MESSAGE = "Tool handler failed repeatedly and was given up."
+TOOL_ERROR_MAX_CHARS = 500
+
+
+class FailureStage(StrEnum):
+    LOOKUP = "lookup"
+    ARGUMENTS = "arguments"
+    EXECUTION = "execution"
+    TIMEOUT = "timeout"
+    OUTPUT = "output"
+    RECOVERY = "recovery"
+
+
+class ToolError(Exception):
+    """Raise it in a handler to tell the model what went wrong: its message is sent as is."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class OutputError(Exception):
+    """The handler's return value cannot be sent; the message is safe for the model."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of a call as it will be submitted, and what the audit trail keeps of it."""
+
+    payload: dict[str, Any]
+    """The ``agent.session.input.tool_result`` event."""
+    detail: str | None = None
+    """Redacted diagnostic (a traceback) for the audit trail only."""
+    stage: FailureStage | None = None
+
+    @property
+    def success(self) -> bool:
+        return bool(self.payload["success"])
+
+    def payload_json(self) -> str:
+        # ASCII escapes keep any text (even lone surrogates) storable in every database.
+        return json.dumps(self.payload, separators=(",", ":"))
+
+
+def succeeded(key: CallKey, output: str | list[dict[str, Any]] | None) -> Outcome:
+    return Outcome(
+        {
+            "type": "agent.session.input.tool_result",
+            "turn_id": key.turn_id,
+            "call_id": key.call_id,
+            "success": True,
+            "output": output,
+        }
+    )
+
+
+def failed(key: CallKey, message: str, stage: FailureStage, detail: str | None = None) -> Outcome:
+    return Outcome(
+        {
+            "type": "agent.session.input.tool_result",
+            "turn_id": key.turn_id,
+            "call_id": key.call_id,
+            "success": False,
+            "error": message,
+        },
+        detail=detail,
+        stage=stage,
+    )
+
+
+def tool_error_message(error: ToolError) -> str:
+    text = redact_text(error.message)
+    return text if len(text) <= TOOL_ERROR_MAX_CHARS else text[: TOOL_ERROR_MAX_CHARS - 1] + "…"
+
+
+def validation_message(error: pydantic.ValidationError) -> str:
+    """What the model needs to correct its arguments, without echoing their values."""
+    problems = []
+    for item in error.errors(include_url=False, include_input=False, include_context=False)[:10]:
+        location = ".".join(str(part) for part in item["loc"]) or "arguments"
+        problems.append(f"{location}: {item['msg']}")
+    return redact_text("Invalid arguments: " + "; ".join(problems))
+
+
+def normalize_output(value: Any, max_bytes: int) -> str | list[dict[str, Any]] | None:
+    """A handler's return value as the API takes it: a string, a content array, or JSON text."""
+    output: str | list[dict[str, Any]] | None
+    if value is None or isinstance(value, str):
+        output = value
+    elif isinstance(value, pydantic.BaseModel):
+        output = value.model_dump_json()
+    elif _is_content_array(value):
+        output = [dict(part) for part in value]
+    else:
+        if isinstance(value, Iterator):
+            value = _bounded_list(value, max_bytes)
+        try:
+            if isinstance(value, Mapping | list | tuple | int | float | bool):
+                output = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            else:
+                output = pydantic_core.to_json(value).decode()
+        except (TypeError, ValueError, pydantic_core.PydanticSerializationError) as error:
+            raise OutputError(OUTPUT_FAILED_MESSAGE) from error
+    size = (
+        len(output.encode("utf-8", "surrogatepass")) if isinstance(output, str) else len(json.dumps(output))
+    )
+    if size > max_bytes:
+        raise OutputError(OUTPUT_TOO_LARGE_MESSAGE)
+    return output
+
+
+def _is_content_array(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(part, Mapping)
+            and (
+                (part.get("type") == "input_text" and isinstance(part.get("text"), str))
+                or (part.get("type") == "input_image" and isinstance(part.get("image_url"), str))
+            )
+            for part in value
+        )
+    )
+
+
+def _bounded_list(items: Iterator[Any], max_bytes: int) -> list[Any]:
+    """Materialise an iterator, but stop once it is surely too large to send."""
+    collected: list[Any] = []
+    size = 0
+    for item in items:
+        collected.append(item)
+        size += len(repr(item)) if not isinstance(item, str) else len(item)
+        if size > max_bytes:
+            raise OutputError(OUTPUT_TOO_LARGE_MESSAGE)
+    return collected

@@ -1,0 +1,54 @@
+"""Errors toolledger raises, each with a stable ``code`` (for logs, the CLI and the API)."""
+
+from __future__ import annotations
+
+
+class ToolLedgerError(Exception):
+    code = "toolledger_error"
+
+
+class FencedError(ToolLedgerError):
+    """A write carried a lease token that is no longer current: another worker owns the call."""
+
+    code = "fenced"
+
+
+class TransitionError(ToolLedgerError):
+    """The call is not in a state this transition starts from (a lost race, or a bug)."""
+
+    code = "illegal_transition"
+
+
+class CallNotFoundError(ToolLedgerError):
+    code = "call_not_found"
+
+
+class ArgumentsMismatchError(ToolLedgerError):
+    """A redelivered call carries other arguments than the recorded one: refused and flagged."""
+
+    code = "arguments_mismatch"
+
+
+class RegistryError(ToolLedgerError):
+    """A tool cannot be registered as declared."""
+
+    code = "registry_error"
+
+
+class SubmissionError(ToolLedgerError):
+    """The Agents API refused a result for good, or kept failing past the retry policy."""
+
+    code = "submission_failed"
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class SessionGoneError(SubmissionError):
+    """The session no longer exists (404) or has failed: nothing will await its calls."""
+
+    code = "session_gone"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)

@@ -1,0 +1,81 @@
+"""What a handler is given about the call it runs, and what a verify hook answers."""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any
+
+from toolledger.domain.keys import CallKey
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """The call a handler runs. Declare a parameter annotated ``ToolContext`` to receive it."""
+
+    key: CallKey
+    tool_name: str
+    attempt: int
+    """1 for the first run; more when a re-runnable tool is run again after an interruption."""
+    idempotency_key: str
+    """Stable for this call across crashes and replicas: pass it to downstream APIs."""
+    logger: logging.LoggerAdapter[logging.Logger]
+    db: Any = None
+    """For transactional tools: the ledger's open connection (an ``AsyncConnection`` for
+    async handlers, a synchronous ``Connection`` for sync ones). Writes made through it commit
+    together with the call's result, or not at all."""
+
+    @property
+    def session_id(self) -> str:
+        return self.key.session_id
+
+    @property
+    def turn_id(self) -> str:
+        return self.key.turn_id
+
+    @property
+    def call_id(self) -> str:
+        return self.key.call_id
+
+
+_current: ContextVar[ToolContext] = ContextVar("toolledger_tool_context")
+
+
+def current_context() -> ToolContext:
+    """The context of the call being run; also for SDK ``FunctionTool`` handlers."""
+    try:
+        return _current.get()
+    except LookupError:
+        raise RuntimeError("current_context() is only available while toolledger runs a handler") from None
+
+
+def bind_context(context: ToolContext) -> Token[ToolContext]:
+    return _current.set(context)
+
+
+def reset_context(token: Token[ToolContext]) -> None:
+    _current.reset(token)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A verify hook's answer: did the first run of this call happen downstream?"""
+
+    kind: str
+    output: Any = None
+
+    @classmethod
+    def executed(cls, output: Any) -> Verification:
+        """It happened; ``output`` is the result to give the model."""
+        return cls("executed", output)
+
+    @classmethod
+    def not_executed(cls) -> Verification:
+        """It did not happen: running the call now is safe."""
+        return cls("not_executed")
+
+    @classmethod
+    def unknown(cls) -> Verification:
+        """Cannot tell: the call waits for an operator."""
+        return cls("unknown")

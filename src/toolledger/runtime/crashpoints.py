@@ -1,0 +1,63 @@
+"""Named crash points: inert unless a test arms them, then the process kills itself there.
+
+Arm them with ``TOOLLEDGER_CRASH_AT=<point>[@<n>][,...]`` in the environment of a worker
+process (the n-th time the point is reached, default the first). Each point is passed at
+exactly one place in the runtime, so a crash there means one precise moment of a call's life.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+CP_AFTER_CLAIM_COMMIT = "after_claim_commit"
+"""The call is recorded and claimed (``running``); the handler has not started."""
+CP_AFTER_HANDLER = "after_handler"
+"""The handler returned (a transactional tool's writes are not committed); no result stored."""
+CP_AFTER_RESULT_COMMIT = "after_result_commit"
+"""The result is stored (``succeeded``/``failed``); nothing was submitted."""
+CP_AFTER_SUBMIT_RESPONSE = "after_submit_response"
+"""The Agents API accepted the result; ``submitted`` is not yet written."""
+CP_DURING_RECOVERY = "during_recovery"
+"""Recovery has expired leases and is about to settle and submit."""
+CP_INSIDE_HANDLER = "inside_handler"
+"""For test tools: mid side effect."""
+
+ALL_POINTS = frozenset(
+    {
+        CP_AFTER_CLAIM_COMMIT,
+        CP_AFTER_HANDLER,
+        CP_AFTER_RESULT_COMMIT,
+        CP_AFTER_SUBMIT_RESPONSE,
+        CP_DURING_RECOVERY,
+        CP_INSIDE_HANDLER,
+    }
+)
+
+
+def _parse(spec: str) -> dict[str, int]:
+    armed: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, nth = item.partition("@")
+        if name not in ALL_POINTS:
+            raise ValueError(f"unknown crash point {name!r}; known: {', '.join(sorted(ALL_POINTS))}")
+        armed[name] = int(nth) if nth else 1
+    return armed
+
+
+_armed = _parse(os.environ.get("TOOLLEDGER_CRASH_AT", ""))
+_hits: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    if not _armed:
+        return
+    nth = _armed.get(name)
+    if nth is None:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] == nth:
+        sys.stderr.write(f"toolledger: crash point {name} reached, killing pid {os.getpid()}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

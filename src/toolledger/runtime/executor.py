@@ -1,0 +1,431 @@
+"""One call's life: record and claim, run the handler, store the outcome, submit, mark submitted.
+
+Every step that matters is committed before the next one starts, so a crash anywhere leaves
+the ledger saying exactly how far the call got; ``recover()`` picks it up from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import traceback
+from collections import Counter
+from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pydantic
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord
+from toolledger.domain.results import (
+    FAILED_MESSAGE,
+    POISON_MESSAGE,
+    TIMEOUT_MESSAGE,
+    UNKNOWN_OUTCOME_MESSAGE,
+    FailureStage,
+    Outcome,
+    OutputError,
+    ToolError,
+    failed,
+    normalize_output,
+    succeeded,
+    tool_error_message,
+    validation_message,
+)
+from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
+from toolledger.errors import FencedError, SessionGoneError, SubmissionError
+from toolledger.gateway.agents import AgentsGateway
+from toolledger.runtime.context import ToolContext, bind_context, reset_context
+from toolledger.runtime.crashpoints import (
+    CP_AFTER_CLAIM_COMMIT,
+    CP_AFTER_HANDLER,
+    CP_AFTER_RESULT_COMMIT,
+    CP_AFTER_SUBMIT_RESPONSE,
+    CP_DURING_RECOVERY,
+    crash_point,
+)
+from toolledger.runtime.registry import RegisteredTool, ToolRegistry
+from toolledger.settings import Settings
+from toolledger.store.ledger import LedgerStore
+
+log = logging.getLogger("toolledger.executor")
+
+
+@dataclass(frozen=True)
+class HandleReport:
+    """What handling one delivered call did."""
+
+    key: CallKey
+    action: str
+    """executed, resubmitted, rerun, settled, waiting_for_operator, running_elsewhere,
+    refused_arguments_mismatch, fenced, abandoned or nothing_to_do."""
+    status: CallStatus | None
+    submitted: bool = False
+
+
+@dataclass
+class RecoveryReport:
+    expired: int = 0
+    actions: Counter[str] = field(default_factory=Counter)
+
+
+class Executor:
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        store: LedgerStore,
+        gateway: AgentsGateway | None,
+        settings: Settings,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.gateway = gateway
+        self.settings = settings
+
+    # ------------------------------------------------------------------ entry
+
+    async def handle(self, session_id: str, action: Any) -> HandleReport:
+        """Handle one ``function_call`` entry of a session's ``required_actions``."""
+        turn_id, call_id, name, arguments = _action_fields(action)
+        key = CallKey(session_id, turn_id, call_id)
+        tool = self.registry.get(name)
+        recorded = await self.store.record(
+            key,
+            tool_name=name,
+            arguments=arguments,
+            # A name we don't know runs no handler: nothing to fear from a second try.
+            effect_class=tool.effect if tool is not None else EffectClass.READ_ONLY,
+            lease_seconds=self.settings.lease_seconds,
+        )
+        if recorded.arguments_mismatch:
+            log.warning("call %s redelivered with other arguments: refused", key)
+            return HandleReport(key, "refused_arguments_mismatch", recorded.call.status)
+        if recorded.claimed:
+            crash_point(CP_AFTER_CLAIM_COMMIT)
+            return await self._run_and_submit(tool, recorded.call, "executed")
+        return await self._continue(recorded.call)
+
+    async def recover(self) -> RecoveryReport:
+        """Pick up every call a crash or a lost connection left behind."""
+        report = RecoveryReport()
+        report.expired = len(await self.store.expire_leases())
+        crash_point(CP_DURING_RECOVERY)
+        for call in await self.store.in_states([CallStatus.UNKNOWN, CallStatus.PENDING]):
+            report.actions[(await self._continue(call)).action] += 1
+        for call in await self.store.in_states(RESULT_STATUSES):
+            submitted = await self.submit(call)
+            report.actions["resubmitted" if submitted else "submit_failed"] += 1
+        return report
+
+    async def submit(self, call: CallRecord) -> bool:
+        """Send the stored result, byte for byte, with the call's stable Idempotency-Key."""
+        if self.gateway is None or call.payload is None:
+            return False
+        try:
+            await self.gateway.submit_tool_result(call.key.session_id, call.payload, call.idempotency_key)
+        except SessionGoneError as error:
+            await self.store.abandon(call.key, f"session gone: {error}")
+            return False
+        except SubmissionError as error:
+            await self.store.record_submission_failure(call.key, str(error))
+            log.warning("submitting %s failed (%s); left for the reconciler", call.key, error)
+            return False
+        crash_point(CP_AFTER_SUBMIT_RESPONSE)
+        await self.store.mark_submitted(call.key)
+        return True
+
+    # ------------------------------------------------------------ existing calls
+
+    async def _continue(self, call: CallRecord) -> HandleReport:
+        if call.status in RESULT_STATUSES:
+            return HandleReport(call.key, "resubmitted", call.status, await self.submit(call))
+        if call.status is CallStatus.SUBMITTED:
+            # Still awaited after an accepted submission: send the same bytes again; the
+            # Idempotency-Key makes the service apply them once at most.
+            return HandleReport(call.key, "resubmitted", call.status, await self.submit(call))
+        if call.status is CallStatus.RUNNING:
+            expired = [c for c in await self.store.expire_leases() if c.key == call.key]
+            if not expired:
+                return HandleReport(call.key, "running_elsewhere", call.status)
+            call = expired[0]
+        if call.status is CallStatus.PENDING:
+            claimed = await self.store.claim(
+                call.key,
+                from_statuses=[CallStatus.PENDING],
+                lease_seconds=self.settings.lease_seconds,
+                reason="claimed",
+            )
+            if claimed is None:
+                return HandleReport(call.key, "running_elsewhere", None)
+            return await self._run_and_submit(self.registry.get(call.tool_name), claimed, "executed")
+        if call.status is CallStatus.UNKNOWN:
+            return await self._settle_unknown(call)
+        return HandleReport(call.key, "nothing_to_do", call.status)
+
+    async def _settle_unknown(self, call: CallRecord) -> HandleReport:
+        """An interrupted run left no result: decide by the tool's effect class, never by guessing."""
+        tool = self.registry.get(call.tool_name)
+        effect = tool.effect if tool is not None else EffectClass.READ_ONLY
+        if effect is EffectClass.VERIFIED and tool is not None:
+            kind, outcome = await self._verify(tool, call)
+            if outcome is not None:
+                settled = await self.store.settle(
+                    call.key, outcome, reason="verify hook: the first run happened"
+                )
+                return await self._submitted_report(settled, "settled")
+            if kind != "not_executed":
+                return await self._wait_or_give_up(tool, call)
+        elif not effect.rerun_is_safe:
+            return await self._wait_or_give_up(tool, call)
+        max_attempts = (tool.max_attempts if tool else None) or self.settings.max_attempts
+        if call.attempt_count >= max_attempts:
+            outcome = failed(call.key, POISON_MESSAGE, FailureStage.RECOVERY)
+            settled = await self.store.settle(
+                call.key, outcome, reason=f"gave up after {call.attempt_count} attempts"
+            )
+            return await self._submitted_report(settled, "settled")
+        claimed = await self.store.claim(
+            call.key,
+            from_statuses=[CallStatus.UNKNOWN],
+            lease_seconds=self.settings.lease_seconds,
+            reason=f"re-run after an unknown outcome ({effect.value})",
+        )
+        if claimed is None:
+            return HandleReport(call.key, "running_elsewhere", None)
+        return await self._run_and_submit(tool, claimed, "rerun")
+
+    async def _verify(self, tool: RegisteredTool, call: CallRecord) -> tuple[str, Outcome | None]:
+        """Ask the downstream system whether the first run happened; with its result if so."""
+        assert tool.verify is not None
+        try:
+            answer = tool.verify(self._context(tool, call))
+            verification = await answer if inspect.isawaitable(answer) else answer
+        except Exception:
+            log.exception("verify hook of %s failed for %s", tool.name, call.key)
+            await self.store.flag(
+                call.key, "verify_failed", "verify hook raised", detail=traceback.format_exc()
+            )
+            return "unknown", None
+        if verification.kind != "executed":
+            return verification.kind, None
+        try:
+            output = normalize_output(verification.output, self.settings.max_output_bytes)
+        except OutputError as error:
+            return "executed", failed(call.key, str(error), FailureStage.OUTPUT)
+        return "executed", succeeded(call.key, output)
+
+    async def _wait_or_give_up(self, tool: RegisteredTool | None, call: CallRecord) -> HandleReport:
+        deadline = tool.unknown_deadline if tool is not None else None
+        if deadline is not None and _seconds_since(call.lease_expires_at or call.created_at) >= deadline:
+            outcome = failed(call.key, UNKNOWN_OUTCOME_MESSAGE, FailureStage.RECOVERY)
+            settled = await self.store.settle(
+                call.key, outcome, reason=f"unknown for more than {deadline:g}s: fixed failure submitted"
+            )
+            return await self._submitted_report(settled, "settled")
+        return HandleReport(call.key, "waiting_for_operator", call.status)
+
+    async def _submitted_report(self, call: CallRecord | None, action: str) -> HandleReport:
+        if call is None:
+            return HandleReport(CallKey("", "", ""), "running_elsewhere", None)
+        return HandleReport(call.key, action, call.status, await self.submit(call))
+
+    # ------------------------------------------------------------------ running
+
+    async def _run_and_submit(
+        self, tool: RegisteredTool | None, call: CallRecord, action: str
+    ) -> HandleReport:
+        try:
+            done = await self._run(tool, call)
+        except FencedError:
+            log.warning("call %s: lease lost while running; result refused (fenced)", call.key)
+            return HandleReport(call.key, "fenced", None)
+        crash_point(CP_AFTER_RESULT_COMMIT)
+        return HandleReport(call.key, action, done.status, await self.submit(done))
+
+    async def _run(self, tool: RegisteredTool | None, call: CallRecord) -> CallRecord:
+        token = call.lease_token
+        if tool is None:
+            outcome = failed(call.key, f"Unknown tool: {call.tool_name}", FailureStage.LOOKUP)
+            return await self.store.complete(call.key, token, outcome)
+        arguments = _parse_arguments(call.arguments)
+        if arguments is None:
+            outcome = failed(call.key, "Invalid arguments: expected a JSON object.", FailureStage.ARGUMENTS)
+            return await self.store.complete(call.key, token, outcome)
+        if tool.effect is EffectClass.TRANSACTIONAL:
+            return await self._run_transactional(tool, call, arguments)
+        heartbeat = asyncio.create_task(self._heartbeat(call.key, token))
+        try:
+            outcome = await self._invoke(tool, self._context(tool, call), arguments)
+        finally:
+            heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await heartbeat
+        crash_point(CP_AFTER_HANDLER)
+        return await self.store.complete(call.key, token, outcome)
+
+    async def _run_transactional(
+        self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any]
+    ) -> CallRecord:
+        """The handler writes through the ledger's transaction; its result joins that commit."""
+        heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
+        try:
+            async with self.store.engine.connect() as connection:
+                transaction = await connection.begin()
+                context = self._context(tool, call)
+                if tool.is_async:
+                    outcome = await self._invoke(tool, replace(context, db=connection), arguments)
+                else:
+                    outcome = await connection.run_sync(
+                        lambda sync_connection: self._invoke_inline(
+                            tool, replace(context, db=sync_connection), arguments
+                        )
+                    )
+                if outcome.success:
+                    crash_point(CP_AFTER_HANDLER)
+                    done = await self.store.complete(
+                        call.key, call.lease_token, outcome, connection=connection
+                    )
+                    await transaction.commit()
+                    return done
+                # A failed handler's writes are rolled back; its failure result is still kept.
+                await transaction.rollback()
+        finally:
+            heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await heartbeat
+        return await self.store.complete(call.key, call.lease_token, outcome)
+
+    async def _invoke(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> Outcome:
+        """Run the handler and turn whatever happens into the result the model gets."""
+        stage = _Stage()
+
+        async def attempt_once() -> Any:
+            timeout = tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
+            async with asyncio.timeout(timeout) as deadline:
+                try:
+                    if tool.is_async:
+                        value = tool.function_tool._call(arguments, stage.set)
+                    else:
+                        # to_thread copies the context, so current_context() works in the thread.
+                        value = await asyncio.to_thread(tool.function_tool._call, arguments, stage.set)
+                    return await value if inspect.isawaitable(value) else value
+                except TimeoutError:
+                    if deadline.expired():
+                        raise _HandlerTimeout from None
+                    raise
+
+        reset = bind_context(context)
+        try:
+            if tool.retries:
+                async for attempt in AsyncRetrying(
+                    stop=stop_after_attempt(tool.retries + 1),
+                    wait=wait_exponential(multiplier=0.05, max=2),
+                    retry=retry_if_exception_type(tool.retry_on),
+                    reraise=True,
+                ):
+                    with attempt:
+                        value = await attempt_once()
+            else:
+                value = await attempt_once()
+            return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+        except Exception as error:
+            return _failure(context.key, error, stage)
+        finally:
+            reset_context(reset)
+
+    def _invoke_inline(
+        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
+    ) -> Outcome:
+        """A sync transactional handler: run on this thread, inside the connection's greenlet,
+        so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
+        stage = _Stage()
+        reset = bind_context(context)
+        try:
+            for attempt in range(tool.retries + 1):
+                try:
+                    value = tool.function_tool._call(arguments, stage.set)
+                    break
+                except tool.retry_on:
+                    if attempt == tool.retries:
+                        raise
+            return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+        except Exception as error:
+            return _failure(context.key, error, stage)
+        finally:
+            reset_context(reset)
+
+    async def _heartbeat(self, key: CallKey, token: int) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            try:
+                if not await self.store.heartbeat(key, token, self.settings.lease_seconds):
+                    log.warning("call %s: lease lost (fenced); its result will be refused", key)
+                    return
+            except Exception:
+                log.exception("heartbeat for %s failed; retrying", key)
+
+    def _context(self, tool: RegisteredTool, call: CallRecord) -> ToolContext:
+        return ToolContext(
+            key=call.key,
+            tool_name=tool.name,
+            attempt=call.attempt_count,
+            idempotency_key=call.idempotency_key,
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"toolledger.tools.{tool.name}"),
+                {"session_id": call.key.session_id, "turn_id": call.key.turn_id, "call_id": call.key.call_id},
+            ),
+        )
+
+
+class _HandlerTimeout(Exception):
+    pass
+
+
+class _Stage:
+    """Where a handler call is: the SDK reports 'arguments' until validation passed."""
+
+    def __init__(self) -> None:
+        self.value = "arguments"
+
+    def set(self, value: str) -> None:
+        self.value = value
+
+
+def _failure(key: CallKey, error: Exception, stage: _Stage) -> Outcome:
+    """The result the model gets for a failure: never the exception's own text."""
+    if isinstance(error, ToolError):
+        return failed(key, tool_error_message(error), FailureStage.EXECUTION)
+    if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
+        return failed(key, validation_message(error), FailureStage.ARGUMENTS)
+    if isinstance(error, _HandlerTimeout):
+        return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
+    detail = "".join(traceback.format_exception(error))
+    if isinstance(error, OutputError):
+        return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
+    # The (redacted) traceback stays in the audit trail only.
+    return failed(key, FAILED_MESSAGE, FailureStage.EXECUTION, detail=detail)
+
+
+def _action_fields(action: Any) -> tuple[str, str, str, Any]:
+    if isinstance(action, Mapping):
+        return action["turn_id"], action["call_id"], action["name"], action.get("arguments")
+    return action.turn_id, action.call_id, action.name, action.arguments
+
+
+def _parse_arguments(stored: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(stored)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _seconds_since(moment: datetime) -> float:
+    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return (datetime.now(UTC) - aware).total_seconds()

@@ -1,0 +1,268 @@
+"""The tools toolledger runs, with how each may be recovered. Schemas come from the SDK.
+
+registry = ToolRegistry()
+
+@registry.tool(effect="idempotent", timeout=10)
+async def send_receipt(order_id: str, ctx: ToolContext) -> str:
+    await mailer.send(order_id, idempotency_key=ctx.idempotency_key)
+    return "sent"
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints, overload
+
+import pydantic
+from openai import omit
+from openai.lib.beta.agents import FunctionTool, function_tool, pydantic_function_tool
+
+from toolledger.domain.states import EffectClass
+from toolledger.errors import RegistryError
+from toolledger.runtime.context import ToolContext, Verification, current_context
+
+VerifyHook = Callable[[ToolContext], Verification | Awaitable[Verification]]
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
+
+
+@dataclass(frozen=True)
+class RegisteredTool:
+    """A tool with its recovery policy."""
+
+    function_tool: FunctionTool[Any]
+    effect: EffectClass
+    timeout: float | None
+    retries: int
+    retry_on: tuple[type[BaseException], ...]
+    verify: VerifyHook | None
+    unknown_deadline: float | None
+    """at_most_once: seconds an ``unknown`` call waits for an operator before a fixed failure
+    result is submitted so the session is not stuck; None waits for ever."""
+    is_async: bool
+    max_attempts: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.function_tool.name
+
+    @property
+    def definition(self) -> dict[str, Any]:
+        return dict(self.function_tool.definition)
+
+
+@dataclass
+class ToolRegistry:
+    """Tools by name; ``definitions()`` is what goes in ``agent.tools``."""
+
+    _tools: dict[str, RegisteredTool] = field(default_factory=dict)
+
+    @overload
+    def tool(self, function: Callable[..., Any], /) -> FunctionTool[Any]: ...
+
+    @overload
+    def tool(
+        self,
+        function: None = None,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
+        timeout: float | None = None,
+        retries: int = 0,
+        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        verify: VerifyHook | None = None,
+        unknown_deadline: float | None = None,
+        defer_loading: bool = False,
+        max_attempts: int | None = None,
+    ) -> Callable[[Callable[..., Any]], FunctionTool[Any]]: ...
+
+    def tool(
+        self,
+        function: Callable[..., Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
+        timeout: float | None = None,
+        retries: int = 0,
+        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        verify: VerifyHook | None = None,
+        unknown_deadline: float | None = None,
+        defer_loading: bool = False,
+        max_attempts: int | None = None,
+    ) -> FunctionTool[Any] | Callable[[Callable[..., Any]], FunctionTool[Any]]:
+        """Register a typed function (sync or async) as a tool; a ``ToolContext`` parameter
+        receives the call's context and is left out of the schema."""
+
+        def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
+            handler = _without_context_parameter(fn)
+            built = function_tool(
+                handler, name=name, description=description, defer_loading=True if defer_loading else omit
+            )
+            self._register(
+                built,
+                is_async=inspect.iscoroutinefunction(fn),
+                effect=effect,
+                timeout=timeout,
+                retries=retries,
+                retry_on=retry_on,
+                verify=verify,
+                unknown_deadline=unknown_deadline,
+                max_attempts=max_attempts,
+            )
+            return built
+
+        return register if function is None else register(function)
+
+    def add(
+        self,
+        tool: FunctionTool[Any],
+        *,
+        effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
+        timeout: float | None = None,
+        retries: int = 0,
+        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        verify: VerifyHook | None = None,
+        unknown_deadline: float | None = None,
+        max_attempts: int | None = None,
+    ) -> FunctionTool[Any]:
+        """Register an SDK ``FunctionTool`` as it is (its handler may call ``current_context()``)."""
+        if not isinstance(tool, FunctionTool):
+            raise RegistryError(f"expected an openai FunctionTool, got {type(tool).__name__}")
+        handler = getattr(tool, "_handler", None)
+        self._register(
+            tool,
+            is_async=inspect.iscoroutinefunction(handler),
+            effect=effect,
+            timeout=timeout,
+            retries=retries,
+            retry_on=retry_on,
+            verify=verify,
+            unknown_deadline=unknown_deadline,
+            max_attempts=max_attempts,
+        )
+        return tool
+
+    def add_model(
+        self,
+        model: type[pydantic.BaseModel],
+        handler: Callable[[Any], Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        defer_loading: bool = False,
+        **policy: Any,
+    ) -> FunctionTool[Any]:
+        """Register a handler taking one pydantic model of its arguments."""
+        tool = pydantic_function_tool(
+            model,
+            handler=handler,
+            name=name,
+            description=description,
+            defer_loading=True if defer_loading else omit,
+        )
+        return self.add(tool, **policy)
+
+    def _register(
+        self,
+        tool: FunctionTool[Any],
+        *,
+        is_async: bool,
+        effect: EffectClass | str,
+        timeout: float | None,
+        retries: int,
+        retry_on: tuple[type[BaseException], ...],
+        verify: VerifyHook | None,
+        unknown_deadline: float | None,
+        max_attempts: int | None,
+    ) -> None:
+        try:
+            effect_class = EffectClass(effect)
+        except ValueError:
+            known = ", ".join(e.value for e in EffectClass)
+            raise RegistryError(
+                f"tool {tool.name!r}: unknown effect class {effect!r} (one of {known})"
+            ) from None
+        if tool.name in self._tools:
+            raise RegistryError(f"a tool named {tool.name!r} is already registered")
+        if effect_class is EffectClass.VERIFIED and verify is None:
+            raise RegistryError(f"tool {tool.name!r}: effect 'verified' needs a verify hook")
+        if verify is not None and effect_class is not EffectClass.VERIFIED:
+            raise RegistryError(f"tool {tool.name!r}: a verify hook needs effect 'verified'")
+        if retries < 0:
+            raise RegistryError(f"tool {tool.name!r}: retries must be >= 0")
+        if retries and not effect_class.rerun_is_safe:
+            raise RegistryError(
+                f"tool {tool.name!r}: retries re-run the handler, which effect {effect_class.value!r} forbids"
+            )
+        if timeout is not None and timeout <= 0:
+            raise RegistryError(f"tool {tool.name!r}: timeout must be positive")
+        if unknown_deadline is not None and unknown_deadline < 0:
+            raise RegistryError(f"tool {tool.name!r}: unknown_deadline must be >= 0")
+        if max_attempts is not None and max_attempts < 1:
+            raise RegistryError(f"tool {tool.name!r}: max_attempts must be >= 1")
+        self._tools[tool.name] = RegisteredTool(
+            function_tool=tool,
+            effect=effect_class,
+            timeout=timeout,
+            retries=retries,
+            retry_on=retry_on,
+            verify=verify,
+            unknown_deadline=unknown_deadline,
+            is_async=is_async,
+            max_attempts=max_attempts,
+        )
+
+    def get(self, name: str) -> RegisteredTool | None:
+        return self._tools.get(name)
+
+    def __iter__(self) -> Iterator[RegisteredTool]:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def definitions(self) -> list[dict[str, Any]]:
+        """The tools for ``agent.tools``, with ``tool_search`` when any tool is deferred."""
+        definitions = [tool.definition for tool in self._tools.values()]
+        if any(d.get("defer_loading") for d in definitions):
+            definitions.append({"type": "tool_search"})
+        return definitions
+
+
+def _without_context_parameter(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrapper whose signature lacks the ``ToolContext`` parameter; it fills it at call time."""
+    signature = inspect.signature(fn)
+    hints = get_type_hints(fn, include_extras=True)
+    context_names = [name for name in signature.parameters if hints.get(name) is ToolContext]
+    if not context_names:
+        return fn
+    if len(context_names) > 1:
+        raise RegistryError(f"{fn.__name__}: only one parameter may take the ToolContext")
+    context_name = context_names[0]
+    parameters = [
+        parameter.replace(annotation=hints.get(name, parameter.annotation))
+        for name, parameter in signature.parameters.items()
+        if name != context_name
+    ]
+
+    wrapper: Callable[..., Any]
+    if inspect.iscoroutinefunction(fn):
+
+        async def wrapper(**arguments: Any) -> Any:
+            return await fn(**arguments, **{context_name: current_context()})
+
+    else:
+
+        def wrapper(**arguments: Any) -> Any:
+            return fn(**arguments, **{context_name: current_context()})
+
+    # No __wrapped__: the SDK would follow it back to the signature that has the context.
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(wrapper, attribute, getattr(fn, attribute))
+    setattr(wrapper, "__signature__", signature.replace(parameters=parameters))  # noqa: B010
+    return wrapper

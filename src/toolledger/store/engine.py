@@ -1,0 +1,87 @@
+"""Engines for the two supported databases, and the database clock leases are measured on."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import DateTime, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql import expression
+from sqlalchemy.sql.compiler import SQLCompiler
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def create_engine(url: str, **options: Any) -> AsyncEngine:
+    """An async engine; SQLite gets a durable WAL set-up, PostgreSQL pre-pings its pool."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_async_engine(url, **options)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    options.setdefault("pool_pre_ping", True)
+    options.setdefault("pool_size", 10)
+    options.setdefault("max_overflow", 20)
+    return create_async_engine(url, **options)
+
+
+def sync_url(url: str) -> str:
+    """The same database through a synchronous driver (for Alembic)."""
+    parsed = make_url(url)
+    if parsed.drivername == "sqlite+aiosqlite":
+        parsed = parsed.set(drivername="sqlite")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL with synchronous=FULL: a committed transition survives power loss, readers never block.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+class utc_now(expression.FunctionElement[datetime]):
+    """The database's clock, so that workers with skewed clocks agree on lease expiry."""
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+
+
+class utc_after(expression.FunctionElement[datetime]):
+    """The database's clock plus a number of seconds (a bound parameter)."""
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+
+
+# SQLite keeps timestamps as text in SQLAlchemy's format, 'YYYY-MM-DD HH:MM:SS.ffffff':
+# strftime's %f gives SS.SSS, so three zeros complete the microseconds and the text sorts
+# exactly like the times it spells.
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f000', 'now')"
+
+
+@compiles(utc_now, "postgresql")
+def _pg_now(_element: utc_now, _compiler: SQLCompiler, **_kw: Any) -> str:
+    return "clock_timestamp()"
+
+
+@compiles(utc_now, "sqlite")
+def _sqlite_now(_element: utc_now, _compiler: SQLCompiler, **_kw: Any) -> str:
+    return _SQLITE_NOW
+
+
+@compiles(utc_after, "postgresql")
+def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"clock_timestamp() + make_interval(secs => {compiler.process(element.clauses, **kw)})"
+
+
+@compiles(utc_after, "sqlite")
+def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', '+' || ({seconds}) || ' seconds')"

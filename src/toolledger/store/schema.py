@@ -1,0 +1,127 @@
+"""The ledger's tables. Migrations in ``migrations/`` must build exactly this (a test checks)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+from toolledger.domain.states import CallStatus, EffectClass
+
+NAMING_CONVENTION = {
+    "pk": "pk_%(table_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ix": "ix_%(column_0_label)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+ID = String(255)
+Timestamp = DateTime(timezone=True)
+
+_STATUSES = ", ".join(f"'{s.value}'" for s in CallStatus)
+_EFFECTS = ", ".join(f"'{e.value}'" for e in EffectClass)
+CLAIMABLE = ("pending", "running", "unknown", "succeeded", "failed")
+"""States recovery scans for: a partial index keeps that scan flat as finished calls pile up."""
+
+tool_calls = Table(
+    "tool_calls",
+    metadata,
+    Column("session_id", ID, nullable=False),
+    Column("turn_id", ID, nullable=False),
+    Column("call_id", ID, nullable=False),
+    Column("tool_name", String(255), nullable=False),
+    Column("arguments", Text, nullable=False),
+    Column("arguments_sha256", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("effect_class", String(16), nullable=False),
+    Column("idempotency_key", String(64), nullable=False, unique=True),
+    Column("attempt_count", Integer, nullable=False, server_default=text("0")),
+    Column("lease_owner", String(255)),
+    Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
+    Column("lease_expires_at", Timestamp),
+    Column("result", Text),
+    Column("error_stage", String(16)),
+    Column("error_detail", Text),
+    Column("created_at", Timestamp, nullable=False),
+    Column("started_at", Timestamp),
+    Column("finished_at", Timestamp),
+    Column("submitted_at", Timestamp),
+    Column("confirmed_at", Timestamp),
+    Column("updated_at", Timestamp, nullable=False),
+    Column("submission_count", Integer, nullable=False, server_default=text("0")),
+    Column("last_submission_error", Text),
+    Column("abandoned_reason", Text),
+    PrimaryKeyConstraint("session_id", "turn_id", "call_id"),
+    CheckConstraint(f"status IN ({_STATUSES})", name="status"),
+    CheckConstraint(f"effect_class IN ({_EFFECTS})", name="effect_class"),
+    Index(
+        "ix_tool_calls_claimable",
+        "status",
+        "lease_expires_at",
+        postgresql_where=text(f"status IN ({', '.join(repr(s) for s in CLAIMABLE)})"),
+        sqlite_where=text(f"status IN ({', '.join(repr(s) for s in CLAIMABLE)})"),
+    ),
+    Index(
+        "ix_tool_calls_unconfirmed",
+        "session_id",
+        postgresql_where=text("status = 'submitted' AND confirmed_at IS NULL"),
+        sqlite_where=text("status = 'submitted' AND confirmed_at IS NULL"),
+    ),
+    Index("ix_tool_calls_created_at", "created_at"),
+    Index("ix_tool_calls_tool_name_created_at", "tool_name", "created_at"),
+)
+
+tool_call_events = Table(
+    "tool_call_events",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("session_id", ID, nullable=False),
+    Column("turn_id", ID, nullable=False),
+    Column("call_id", ID, nullable=False),
+    Column("at", Timestamp, nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("from_status", String(16)),
+    Column("to_status", String(16)),
+    Column("lease_token", BigInteger),
+    Column("reason", Text),
+    Column("detail", Text),
+    ForeignKeyConstraint(
+        ["session_id", "turn_id", "call_id"],
+        ["tool_calls.session_id", "tool_calls.turn_id", "tool_calls.call_id"],
+        ondelete="CASCADE",
+    ),
+    Index("ix_tool_call_events_call", "session_id", "turn_id", "call_id", "id"),
+    Index("ix_tool_call_events_at", "at"),
+)
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("session_id", ID, primary_key=True),
+    Column("watched", Boolean, nullable=False, server_default=text("true")),
+    Column("owner", String(255)),
+    Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
+    Column("lease_expires_at", Timestamp),
+    Column("last_event_id", String(255)),
+    Column("last_polled_at", Timestamp),
+    Column("status", String(32)),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+)
