@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from tests.databases import PostgresTemplate, require_postgres, server_url
 from toolledger.emulator import EmulatorServer
+from toolledger.store import migrate
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +40,36 @@ async def async_client(emulator: EmulatorServer) -> AsyncIterator[AsyncOpenAI]:
         base_url=emulator.base_url, api_key="sk-test", max_retries=0, _strict_response_validation=True
     ) as sdk:
         yield sdk
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> Iterator[PostgresTemplate]:
+    url = server_url()
+    require_postgres(url)
+    template = PostgresTemplate(url)
+    template.create()
+    yield template
+    template.drop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A migrated SQLite ledger file."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite3'}"
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_template: PostgresTemplate) -> Iterator[str]:
+    """A migrated PostgreSQL database of this test's own."""
+    with postgres_template.clone() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Each test using it runs on a real SQLite file and on a real PostgreSQL database."""
+    fixture = "sqlite_url" if request.param == "sqlite" else "postgres_url"
+    url: str = request.getfixturevalue(fixture)
+    return url

@@ -1,0 +1,94 @@
+"""Real databases for tests: a migrated SQLite file, or a PostgreSQL database cloned per test.
+
+PostgreSQL comes from TOOLLEDGER_TEST_DATABASE_URL, else the server on 127.0.0.1:5432. A
+template database is migrated once per test run (``alembic upgrade head``) and each test
+gets ``CREATE DATABASE ... TEMPLATE`` of it, which other processes can use too.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+from toolledger.store import migrate
+
+DEFAULT_SERVER_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def server_url() -> str:
+    return os.environ.get("TOOLLEDGER_TEST_DATABASE_URL", DEFAULT_SERVER_URL)
+
+
+def _libpq(url: str, database: str | None = None) -> str:
+    parsed = make_url(url)
+    if database is not None:
+        parsed = parsed.set(database=database)
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _with_database(url: str, database: str) -> str:
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
+
+
+class PostgresTemplate:
+    """One migrated template per test run; a fresh clone per test."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.name = f"toolledger_template_{os.getpid()}"
+
+    def admin(self) -> psycopg.Connection[tuple[object, ...]]:
+        return psycopg.connect(_libpq(self.base_url), autocommit=True, connect_timeout=5)
+
+    def create(self) -> None:
+        with self.admin() as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name)))
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.name)))
+        migrate.upgrade(_with_database(self.base_url, self.name))
+
+    def drop(self) -> None:
+        with self.admin() as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.name)))
+
+    @contextmanager
+    def clone(self, *, migrated: bool = True) -> Iterator[str]:
+        name = f"toolledger_test_{uuid.uuid4().hex[:12]}"
+        with self.admin() as conn:
+            if migrated:
+                conn.execute(
+                    sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                        sql.Identifier(name), sql.Identifier(self.name)
+                    )
+                )
+            else:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield _with_database(self.base_url, name)
+        finally:
+            with self.admin() as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def postgres_available(url: str) -> bool:
+    try:
+        psycopg.connect(_libpq(url), connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def require_postgres(url: str) -> None:
+    """Skip on a developer machine without PostgreSQL; in CI a missing server is a failure."""
+    if postgres_available(url):
+        return
+    message = f"PostgreSQL is not reachable at {make_url(url).render_as_string()}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
