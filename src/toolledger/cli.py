@@ -61,7 +61,8 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
     from toolledger.settings import Settings
     from toolledger.store import migrate as migrations
 
-    url = Settings(**({"database_url": database_url} if database_url else {})).database_url
+    settings = Settings() if database_url is None else Settings(database_url=database_url)
+    url = settings.database_url
     before = migrations.current_revision(url)
     if downgrade:
         migrations.downgrade(url, revision)

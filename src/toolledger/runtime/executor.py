@@ -25,6 +25,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.results import (
     FAILED_MESSAGE,
+    OUTPUT_FAILED_MESSAGE,
     POISON_MESSAGE,
     TIMEOUT_MESSAGE,
     UNKNOWN_OUTCOME_MESSAGE,
@@ -306,19 +307,21 @@ class Executor:
         stage = _Stage()
 
         async def attempt_once() -> Any:
-            timeout = tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
-            async with asyncio.timeout(timeout) as deadline:
-                try:
+            deadline = asyncio.timeout(
+                tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
+            )
+            try:
+                async with deadline:
                     if tool.is_async:
                         value = tool.function_tool._call(arguments, stage.set)
                     else:
                         # to_thread copies the context, so current_context() works in the thread.
                         value = await asyncio.to_thread(tool.function_tool._call, arguments, stage.set)
                     return await value if inspect.isawaitable(value) else value
-                except TimeoutError:
-                    if deadline.expired():
-                        raise _HandlerTimeout from None
-                    raise
+            except TimeoutError:
+                if deadline.expired():
+                    raise _HandlerTimeout from None
+                raise
 
         reset = bind_context(context)
         try:
@@ -408,6 +411,8 @@ def _failure(key: CallKey, error: Exception, stage: _Stage) -> Outcome:
     detail = "".join(traceback.format_exception(error))
     if isinstance(error, OutputError):
         return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
+    if stage.value == "output":  # the SDK failed to serialise what the handler returned
+        return failed(key, OUTPUT_FAILED_MESSAGE, FailureStage.OUTPUT, detail=detail)
     # The (redacted) traceback stays in the audit trail only.
     return failed(key, FAILED_MESSAGE, FailureStage.EXECUTION, detail=detail)
 
