@@ -1,3 +1,51 @@
 """toolledger: durable, idempotent execution of function tools for OpenAI Agents API sessions."""
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# Imported on first use, so `toolledger --help` does not pay for the openai SDK's import.
+_EXPORTS = {
+    "CallKey": "toolledger.domain.keys",
+    "CallStatus": "toolledger.domain.states",
+    "EffectClass": "toolledger.domain.states",
+    "Settings": "toolledger.settings",
+    "ToolContext": "toolledger.runtime.context",
+    "ToolError": "toolledger.domain.results",
+    "ToolLedger": "toolledger.ledger",
+    "ToolRegistry": "toolledger.runtime.registry",
+    "Verification": "toolledger.runtime.context",
+    "current_context": "toolledger.runtime.context",
+}
+
+if TYPE_CHECKING:
+    from toolledger.domain.keys import CallKey
+    from toolledger.domain.results import ToolError
+    from toolledger.domain.states import CallStatus, EffectClass
+    from toolledger.ledger import ToolLedger
+    from toolledger.runtime.context import ToolContext, Verification, current_context
+    from toolledger.runtime.registry import ToolRegistry
+    from toolledger.settings import Settings
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'toolledger' has no attribute {name!r}")
+
+
+__all__ = [
+    "CallKey",
+    "CallStatus",
+    "EffectClass",
+    "Settings",
+    "ToolContext",
+    "ToolError",
+    "ToolLedger",
+    "ToolRegistry",
+    "Verification",
+    "current_context",
+]

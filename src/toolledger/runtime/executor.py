@@ -151,7 +151,7 @@ class Executor:
             # Idempotency-Key makes the service apply them once at most.
             return HandleReport(call.key, "resubmitted", call.status, await self.submit(call))
         if call.status is CallStatus.RUNNING:
-            expired = [c for c in await self.store.expire_leases() if c.key == call.key]
+            expired = await self.store.expire_leases(call.key)
             if not expired:
                 return HandleReport(call.key, "running_elsewhere", call.status)
             call = expired[0]

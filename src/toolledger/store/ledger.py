@@ -242,18 +242,19 @@ class LedgerStore:
             },
         )
 
-    async def expire_leases(self) -> list[CallRecord]:
-        """Running calls whose lease ran out without a result become ``unknown``."""
+    async def expire_leases(self, key: CallKey | None = None) -> list[CallRecord]:
+        """Running calls whose lease ran out without a result become ``unknown`` (one, or all)."""
+        statement = tool_calls.update().where(
+            tool_calls.c.status == CallStatus.RUNNING.value, tool_calls.c.lease_expires_at < utc_now()
+        )
+        if key is not None:
+            statement = statement.where(_where_key(key))
         async with self.engine.begin() as conn:
             rows = (
                 await conn.execute(
-                    tool_calls.update()
-                    .where(
-                        tool_calls.c.status == CallStatus.RUNNING.value,
-                        tool_calls.c.lease_expires_at < utc_now(),
+                    statement.values(status=CallStatus.UNKNOWN.value, updated_at=utc_now()).returning(
+                        tool_calls
                     )
-                    .values(status=CallStatus.UNKNOWN.value, updated_at=utc_now())
-                    .returning(tool_calls)
                 )
             ).all()
             expired = [_record(row) for row in rows]
