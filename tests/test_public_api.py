@@ -13,5 +13,7 @@ def test_public_api__every_exported_name_resolves() -> None:
 
 def test_public_api__cli_starts_without_importing_the_sdk() -> None:
     code = "import sys, toolledger.cli; print('openai' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30
+    )
     assert result.stdout.strip() == "False"

@@ -106,7 +106,9 @@ class LedgerStore:
                 started_at=utc_now(),
                 updated_at=utc_now(),
             )
-            .on_conflict_do_nothing(index_elements=list(_KEY_COLUMNS))
+            # No conflict target: the idempotency key is unique too, and a racing insert can
+            # hit either constraint first; both mean "already recorded".
+            .on_conflict_do_nothing()
             .returning(tool_calls)
         )
         async with self.engine.begin() as conn:
@@ -466,8 +468,8 @@ class LedgerStore:
                 from_status=from_status.value if from_status else None,
                 to_status=to_status.value if to_status else None,
                 lease_token=lease_token,
-                reason=reason,
-                detail=detail,
+                reason=_storable(reason) if reason is not None else None,
+                detail=_storable(detail) if detail is not None else None,
             )
         )
 
