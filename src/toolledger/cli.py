@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ValidationError
 
 from toolledger import __version__
+from toolledger.errors import ToolLedgerError
+
+if TYPE_CHECKING:
+    from toolledger.runtime.registry import ToolRegistry
+    from toolledger.settings import Settings
+
+T = TypeVar("T")
+
+LOG_LEVELS = click.Choice(["critical", "error", "warning", "info", "debug"])
 
 
 @click.group(context_settings={"auto_envvar_prefix": "TOOLLEDGER", "help_option_names": ["-h", "--help"]})
@@ -70,6 +87,422 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
         migrations.upgrade(url, revision)
     after = migrations.current_revision(url)
     click.echo(f"ledger schema: {before or 'empty'} -> {after or 'empty'}")
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with the command line's flags on top."""
+    from toolledger.settings import Settings
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        raise click.UsageError(f"invalid configuration:\n{error}") from None
+
+
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine; toolledger's own errors end it with their message, no traceback."""
+    try:
+        return asyncio.run(coroutine)
+    except ToolLedgerError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # One line per HTTP request drowns everything else out.
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _load_tools(reference: str | None) -> ToolRegistry:
+    from toolledger.runtime.loading import load_registry
+    from toolledger.runtime.registry import ToolRegistry
+
+    if reference is None:
+        return ToolRegistry()
+    try:
+        return load_registry(reference)
+    except ToolLedgerError as error:
+        raise click.BadParameter(str(error), param_hint="--tools") from None
+
+
+database_option = click.option(
+    "--database-url", default=None, help="Ledger database (default: TOOLLEDGER_DATABASE_URL or SQLite)."
+)
+base_url_option = click.option(
+    "--base-url", default=None, help="Agents API base URL (default: TOOLLEDGER_OPENAI_BASE_URL or OpenAI)."
+)
+
+
+# ----------------------------------------------------------------------- serve
+
+
+@main.command()
+@click.option(
+    "--tools",
+    "tools_reference",
+    required=True,
+    envvar="TOOLLEDGER_TOOLS",
+    help="The application's tools: package.module:registry (a ToolRegistry or a function returning one).",
+)
+@click.option("--watch", "watch_ids", multiple=True, help="Also watch this session (repeatable).")
+@database_option
+@base_url_option
+@click.option("--concurrency", type=click.IntRange(1), default=None, help="Handlers run at once.")
+@click.option("--grace", type=click.FloatRange(0), default=None, help="Seconds running calls get on SIGTERM.")
+@click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
+def serve(
+    tools_reference: str,
+    watch_ids: tuple[str, ...],
+    database_url: str | None,
+    base_url: str | None,
+    concurrency: int | None,
+    grace: float | None,
+    log_level: str,
+) -> None:
+    """Follow watched sessions and run their function calls durably, until SIGTERM/SIGINT."""
+    _configure_logging(log_level)
+    registry = _load_tools(tools_reference)
+    settings = _settings(
+        database_url=database_url,
+        openai_base_url=base_url,
+        max_concurrent_calls=concurrency,
+        shutdown_grace_seconds=grace,
+    )
+    cut_off = _run(_serve(registry, settings, watch_ids))
+    if cut_off:
+        # A handler thread cut off at shutdown may never return: don't wait for it.
+        logging.shutdown()
+        sys.stdout.flush()
+        import os
+
+        os._exit(0)
+
+
+async def _serve(registry: ToolRegistry, settings: Settings, watch_ids: tuple[str, ...]) -> int:
+    from toolledger.runtime.service import Service
+
+    service = Service(registry, settings)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        for session_id in watch_ids:
+            await service.watch(session_id)
+        await stop.wait()
+        logging.getLogger("toolledger.service").info("shutting down (signal received)")
+    finally:
+        cut_off = await service.stop()
+    return cut_off
+
+
+# -------------------------------------------------------------------- sessions
+
+
+@main.group()
+def sessions() -> None:
+    """Watch, unwatch and list the sessions the service follows."""
+
+
+@sessions.command("watch")
+@click.argument("session_ids", nargs=-1, required=True)
+@database_option
+def sessions_watch(session_ids: tuple[str, ...], database_url: str | None) -> None:
+    """Have the service follow these sessions (a running `serve` picks them up within a second)."""
+    settings = _settings(database_url=database_url)
+
+    async def watch(store: SessionStoreT) -> None:
+        for session_id in session_ids:
+            added = await store.watch(session_id)
+            click.echo(f"{session_id}: {'watched' if added else 'already watched'}")
+
+    _run(_with_sessions(settings, watch))
+
+
+@sessions.command("unwatch")
+@click.argument("session_ids", nargs=-1, required=True)
+@click.option("--reason", default="unwatched by an operator", show_default=True)
+@database_option
+def sessions_unwatch(session_ids: tuple[str, ...], reason: str, database_url: str | None) -> None:
+    """Stop following these sessions (their calls stay in the ledger as they are)."""
+    settings = _settings(database_url=database_url)
+
+    async def unwatch(store: SessionStoreT) -> None:
+        for session_id in session_ids:
+            removed = await store.unwatch(session_id, reason)
+            click.echo(f"{session_id}: {'unwatched' if removed else 'was not watched'}")
+
+    _run(_with_sessions(settings, unwatch))
+
+
+@sessions.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Include sessions no longer watched.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@database_option
+def sessions_list(show_all: bool, as_json: bool, database_url: str | None) -> None:
+    """The watched sessions, who follows each, and when it was last reconciled."""
+    settings = _settings(database_url=database_url)
+
+    async def listing(store: SessionStoreT) -> None:
+        found = await store.find(watched=None if show_all else True)
+        if as_json:
+            for record in found:
+                click.echo(json.dumps(_session_json(record)))
+            return
+        if not found:
+            click.echo("no sessions watched" if not show_all else "no sessions")
+            return
+        click.echo(f"{'SESSION':<34} {'WATCHED':<8} {'STATUS':<16} {'OWNER':<30} REASON")
+        for r in found:
+            click.echo(
+                f"{r.session_id:<34} {'yes' if r.watched else 'no':<8} {r.status or '-':<16} "
+                f"{r.owner or '-':<30} {r.reason or ''}"
+            )
+
+    _run(_with_sessions(settings, listing))
+
+
+if TYPE_CHECKING:
+    from toolledger.domain.records import SessionRecord
+    from toolledger.store.sessions import SessionStore as SessionStoreT
+else:
+    SessionStoreT = Any
+
+
+async def _with_sessions(
+    settings: Settings, action: Callable[[SessionStoreT], Coroutine[Any, Any, None]]
+) -> None:
+    from toolledger.store.engine import create_engine
+    from toolledger.store.sessions import SessionStore
+
+    await _ensure_schema(settings)
+    engine = create_engine(settings.database_url)
+    try:
+        await action(SessionStore(engine))
+    finally:
+        await engine.dispose()
+
+
+async def _ensure_schema(settings: Settings) -> None:
+    from sqlalchemy.engine import make_url
+
+    from toolledger.ledger import SchemaNotCurrentError
+    from toolledger.store import migrate as migrations
+
+    url = settings.database_url
+    if make_url(url).get_backend_name() == "sqlite":
+        await asyncio.to_thread(migrations.upgrade, url)
+    elif not await asyncio.to_thread(migrations.is_current, url):
+        raise SchemaNotCurrentError(
+            "the ledger database is not at the current schema revision: run `toolledger migrate`"
+        )
+
+
+def _session_json(record: SessionRecord) -> dict[str, Any]:
+    return {
+        "session_id": record.session_id,
+        "watched": record.watched,
+        "status": record.status,
+        "owner": record.owner,
+        "lease_expires_at": _iso(record.lease_expires_at),
+        "last_polled_at": _iso(record.last_polled_at),
+        "reason": record.reason,
+    }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
+
+
+# ------------------------------------------------------------------- reconcile
+
+
+@main.command()
+@click.option(
+    "--tools",
+    "tools_reference",
+    default=None,
+    envvar="TOOLLEDGER_TOOLS",
+    help="The application's tools; without them stored results are resubmitted and confirmed, "
+    "but no call is run or settled (that is left to `serve`).",
+)
+@click.option("--session", "session_ids", multiple=True, help="Only this session (repeatable).")
+@click.option("--concurrency", type=click.IntRange(1), default=8, show_default=True, help="Sessions at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@database_option
+@base_url_option
+@click.option("--log-level", type=LOG_LEVELS, default="warning", show_default=True)
+def reconcile(
+    tools_reference: str | None,
+    session_ids: tuple[str, ...],
+    concurrency: int,
+    as_json: bool,
+    database_url: str | None,
+    base_url: str | None,
+    log_level: str,
+) -> None:
+    """One reconciliation pass over every watched session (and every session with open calls),
+    then a summary of what it did."""
+    _configure_logging(log_level)
+    registry = _load_tools(tools_reference)
+    settings = _settings(database_url=database_url, openai_base_url=base_url)
+    summary = _run(
+        _reconcile(
+            registry, settings, list(session_ids), concurrency, run_handlers=tools_reference is not None
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"reconciled {summary['sessions']} session(s); {summary['stopped']} stopped being watched")
+        for action, count in summary["actions"].items():
+            click.echo(f"  {action:<24} {count}")
+        if summary["errors"]:
+            click.echo(f"  {'errors':<24} {summary['errors']} (see the log)")
+    if summary["errors"]:
+        sys.exit(1)
+
+
+async def _reconcile(
+    registry: ToolRegistry,
+    settings: Settings,
+    session_ids: list[str],
+    concurrency: int,
+    *,
+    run_handlers: bool,
+) -> dict[str, Any]:
+    from toolledger.ledger import ToolLedger
+    from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
+    from toolledger.store.exclusive import SQLiteServiceLock
+    from toolledger.store.sessions import SessionStore
+
+    lock = SQLiteServiceLock(settings.database_url)
+    lock.acquire()
+    try:
+        async with ToolLedger(registry, settings, run_handlers=run_handlers) as ledger:
+            store = SessionStore(ledger.engine)
+            if not session_ids:
+                await store.watch_new(await store.with_open_calls())
+                session_ids = [record.session_id for record in await store.find(watched=True)]
+            reconciler = Reconciler(ledger.executor, ledger.gateway, store)
+            with click.progressbar(
+                length=len(session_ids), label="reconciling", file=sys.stderr, show_pos=True
+            ) as bar:
+
+                def progress(_: SessionReconciliation | None) -> None:
+                    bar.update(1)
+
+                summary = await reconciler.reconcile_many(
+                    session_ids, concurrency=concurrency, progress=progress
+                )
+            return summary.as_json()
+    finally:
+        lock.release()
+
+
+# ---------------------------------------------------------------------- status
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@database_option
+def status(as_json: bool, database_url: str | None) -> None:
+    """Is the ledger reachable and current, which replicas are alive, what waits. Exits 1 when
+    the database is unreachable or its schema is not current."""
+    settings = _settings(database_url=database_url)
+    report = _run(_status(settings))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"database:   {'reachable' if report['database_reachable'] else 'UNREACHABLE'}")
+        if report["database_reachable"]:
+            click.echo(
+                f"schema:     {report['schema_revision'] or 'empty'} "
+                f"({'current' if report['schema_current'] else 'NOT CURRENT: run toolledger migrate'})"
+            )
+        if report.get("error"):
+            click.echo(f"error:      {report['error']}")
+        for replica in report.get("replicas", []):
+            click.echo(
+                f"replica:    {replica['replica_id']} (pid {replica['pid']} on {replica['hostname']}), "
+                f"{replica['sessions']} session(s), heartbeat {replica['heartbeat_age_seconds']:.1f}s ago"
+            )
+        if report["database_reachable"] and report["schema_current"] and not report["replicas"]:
+            click.echo("replicas:   none alive")
+        if "watched_sessions" in report:
+            click.echo(
+                f"sessions:   {report['watched_sessions']} watched, {report['unowned_sessions']} unfollowed"
+            )
+            calls = ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items())) or "none"
+            click.echo(f"calls:      {calls}")
+            oldest = report["oldest_unsubmitted_age_seconds"]
+            if oldest is not None:
+                click.echo(f"oldest unsubmitted result: {oldest:.1f}s")
+    if not (report["database_reachable"] and report["schema_current"]):
+        sys.exit(1)
+
+
+async def _status(settings: Settings) -> dict[str, Any]:
+    from toolledger.store import migrate as migrations
+    from toolledger.store.engine import create_engine
+    from toolledger.store.ledger import LedgerStore
+    from toolledger.store.sessions import SessionStore
+
+    url = settings.database_url
+    report: dict[str, Any] = {"database_reachable": False, "schema_current": False, "replicas": []}
+    try:
+        revision = await asyncio.to_thread(migrations.current_revision, url)
+        report["database_reachable"] = True
+        report["schema_revision"] = revision
+        report["schema_current"] = revision == migrations.head_revision(url)
+    except Exception as error:
+        report["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return report
+    if not report["schema_current"]:
+        return report
+    engine = create_engine(url)
+    try:
+        sessions_store = SessionStore(engine)
+        now = datetime.now(UTC)
+        watched = await sessions_store.find(watched=True)
+        owners: dict[str, int] = {}
+        for record in watched:
+            if record.owner and record.lease_expires_at and _aware(record.lease_expires_at) > now:
+                owners[record.owner] = owners.get(record.owner, 0) + 1
+        report["replicas"] = [
+            {
+                "replica_id": r.replica_id,
+                "hostname": r.hostname,
+                "pid": r.pid,
+                "sessions": owners.get(r.replica_id, 0),
+                "heartbeat_age_seconds": (now - _aware(r.heartbeat_at)).total_seconds(),
+            }
+            for r in await sessions_store.live_replicas()
+        ]
+        report["watched_sessions"] = len(watched)
+        report["unowned_sessions"] = len(watched) - sum(owners.values())
+        ledger = LedgerStore(engine, actor="status")
+        report["calls"] = await ledger.count_by_status()
+        oldest = await ledger.oldest_unsubmitted()
+        report["oldest_unsubmitted_age_seconds"] = (
+            None if oldest is None else (now - _aware(oldest)).total_seconds()
+        )
+    finally:
+        await engine.dispose()
+    return report
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,34 @@ class RegistryError(ToolLedgerError):
 
 
 class SubmissionError(ToolLedgerError):
-    """The Agents API refused a result for good, or kept failing past the retry policy."""
+    """The Agents API refused a result for good, or kept failing past the retry policy.
+
+    ``kind``: ``retryable`` (a later resubmission may succeed), ``not_pending`` (the session
+    does not await this call), ``already_answered`` (the session holds a result for it) or
+    ``refused`` (any other refusal).
+    """
 
     code = "submission_failed"
 
-    def __init__(self, message: str, *, retryable: bool) -> None:
+    def __init__(self, message: str, *, kind: str) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        self.kind = kind
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind == "retryable"
 
 
 class SessionGoneError(SubmissionError):
-    """The session no longer exists (404) or has failed: nothing will await its calls."""
+    """The session no longer exists (404): nothing will await its calls."""
 
     code = "session_gone"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=False)
+        super().__init__(message, kind="session_gone")
+
+
+class StreamInterruptedError(ToolLedgerError):
+    """A session's event stream failed or ended; the follower reconnects after a pause."""
+
+    code = "stream_interrupted"

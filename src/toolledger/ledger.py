@@ -49,8 +49,10 @@ class ToolLedger:
         gateway: AgentsGateway | None = None,
         engine: AsyncEngine | None = None,
         auto_migrate: bool | None = None,
+        run_handlers: bool = True,
     ) -> None:
         self.registry = registry
+        self.run_handlers = run_handlers
         self.settings = settings or Settings()
         self.worker_id = self.settings.worker_id or default_worker_id()
         self._engine = engine
@@ -79,7 +81,9 @@ class ToolLedger:
                 attempts=self.settings.submit_attempts,
             )
         store = LedgerStore(self._engine, actor=self.worker_id)
-        self._executor = Executor(self.registry, store, self._gateway, self.settings)
+        self._executor = Executor(
+            self.registry, store, self._gateway, self.settings, run_handlers=self.run_handlers
+        )
         return self
 
     async def close(self) -> None:
@@ -101,6 +105,22 @@ class ToolLedger:
         if self._executor is None:
             raise RuntimeError("ToolLedger is not started: use `async with ToolLedger(...)`")
         return self._executor
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("ToolLedger is not started: use `async with ToolLedger(...)`")
+        return self._engine
+
+    @property
+    def gateway(self) -> AgentsGateway:
+        if self._gateway is None:
+            raise RuntimeError("ToolLedger is not started: use `async with ToolLedger(...)`")
+        return self._gateway
+
+    @property
+    def engine_is_sqlite(self) -> bool:
+        return make_url(self.settings.database_url).get_backend_name() == "sqlite"
 
     @property
     def store(self) -> LedgerStore:

@@ -38,6 +38,45 @@ class Settings(BaseSettings):
     submit_attempts: int = Field(
         default=6, ge=1, description="Tries of one submission before the reconciler."
     )
+    resubmit_after_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="A call still listed this long after its result was accepted is submitted "
+        "again (same bytes, same Idempotency-Key); sooner, the listing is taken as stale.",
+    )
+    max_concurrent_calls: int = Field(
+        default=64, ge=1, description="Handlers one `serve` process runs at once (over all sessions)."
+    )
+    session_lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a replica owns a watched session without renewing; a dead replica's "
+        "sessions are taken over after this.",
+    )
+    reconcile_interval_seconds: float = Field(
+        default=60.0, gt=0, description="How often `serve` reconciles every session it owns."
+    )
+    shutdown_grace_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM, how long running handlers may take to finish; the rest are left "
+        "to lease expiry, as after a crash.",
+    )
+    stream_backoff_max_seconds: float = Field(
+        default=10.0, gt=0, description="Longest wait before reconnecting a dropped event stream."
+    )
+    stream_idle_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="An event stream silent for this long (no event, no keep-alive) is reconnected.",
+    )
+    discover_metadata: dict[str, str] | None = Field(
+        default=None,
+        description='Also watch every session whose metadata matches (JSON, e.g. {"app": "shop"}).',
+    )
+    discover_interval_seconds: float = Field(
+        default=10.0, gt=0, description="How often sessions are discovered by `discover_metadata`."
+    )
     secret_fields: frozenset[str] = Field(
         default=DEFAULT_SECRET_FIELDS, description="Field names masked in logs and audit views."
     )

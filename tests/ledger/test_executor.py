@@ -78,7 +78,7 @@ async def test_handle__repeated_action_resubmits_without_running_again(
         return f"sent to {to}"
 
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
-    async with running_ledger(registry, database_url, emulator) as ledger:
+    async with running_ledger(registry, database_url, emulator, resubmit_after_seconds=0) as ledger:
         first = await ledger.handle(session_id, action)
         again = [await ledger.handle(session_id, action) for _ in range(3)]
 
@@ -92,6 +92,24 @@ async def test_handle__repeated_action_resubmits_without_running_again(
     assert {r.idempotency_key for r in emulator.control.tool_results(session_id)} == {
         CallKey(session_id, action.turn_id, action.call_id).idempotency_key
     }
+
+
+async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_listing(
+    sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    registry = ToolRegistry()
+
+    @registry.tool
+    def send_mail(to: str) -> str:
+        return f"sent to {to}"
+
+    session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
+    async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=60) as ledger:
+        await ledger.handle(session_id, action)
+        again = await ledger.handle(session_id, action)
+
+    assert again.action == "already_submitted"
+    assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted"]
 
 
 class Receipt(pydantic.BaseModel):

@@ -64,3 +64,30 @@ class Recorded:
     claimed: bool
     """This worker recorded it and holds its lease (``call.lease_token``)."""
     arguments_mismatch: bool = False
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A session the service watches (or stopped watching, with the reason)."""
+
+    session_id: str
+    watched: bool
+    owner: str | None
+    lease_token: int
+    lease_expires_at: datetime | None
+    last_event_id: str | None
+    last_polled_at: datetime | None
+    status: str | None
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    replica_id: str
+    hostname: str
+    pid: int
+    started_at: datetime
+    heartbeat_at: datetime
+    expires_at: datetime

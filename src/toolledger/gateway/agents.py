@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, cast
 
+import httpx2
 import openai
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AsyncStream, DefaultAsyncHttpxClient
 from openai.types.beta.agent_session import (
     AgentSession,
     RequiredActionSessionRequiredActionResourceFunctionCall,
 )
+from openai.types.beta.agent_session_event import AgentSessionEvent
 from openai.types.beta.agent_session_input_param import SessionInputParamAgentSessionInputToolResult
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
-from toolledger.errors import SessionGoneError, SubmissionError
+from toolledger.errors import SessionGoneError, StreamInterruptedError, SubmissionError
 from toolledger.gateway.classify import Failure, classify, describe, retry_after_seconds
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
 
 MAX_RETRY_AFTER = 60.0
+CONNECT_TIMEOUT = 10.0
+DISCOVERY_PAGE = 100
 
 
 class AgentsGateway:
@@ -42,25 +48,42 @@ class AgentsGateway:
 
     @classmethod
     def connect(cls, *, api_key: str | None, base_url: str | None, **policy: Any) -> AgentsGateway:
-        return cls(AsyncOpenAI(api_key=api_key or "unused-by-the-emulator", base_url=base_url), **policy)
+        # Every followed session holds one streaming connection: the SDK's default pool (1,000
+        # connections) would make the thousand-and-first session wait forever.
+        http_client = DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200)
+        )
+        client = AsyncOpenAI(
+            api_key=api_key or "unused-by-the-emulator", base_url=base_url, http_client=http_client
+        )
+        return cls(client, **policy)
 
     async def close(self) -> None:
         await self.client.close()
 
     async def submit_tool_result(
-        self, session_id: str, payload: dict[str, Any], idempotency_key: str
+        self,
+        session_id: str,
+        payload: dict[str, Any],
+        idempotency_key: str,
+        *,
+        expect_pending: bool = True,
     ) -> None:
         """Send a stored result; every try carries the same body and Idempotency-Key.
 
-        Raises SessionGoneError when the session is gone, SubmissionError otherwise
-        (``retryable`` tells whether a later resubmission may still succeed).
+        ``expect_pending``: the call was listed in ``required_actions`` a moment ago, so an
+        "Unknown pending tool call" answer is the registration race and worth a few retries.
+        When it was not listed, that answer is final.
+
+        Raises SessionGoneError when the session is gone, SubmissionError otherwise (its
+        ``kind`` says whether a later resubmission may still succeed).
         """
         races = 0
 
         def should_retry(error: BaseException) -> bool:
             nonlocal races
             kind = classify(error, payload.get("call_id"))
-            if kind is Failure.PENDING_RACE:
+            if kind is Failure.PENDING_RACE and expect_pending:
                 races += 1
                 return races < self._race_attempts
             return kind is Failure.RETRYABLE
@@ -83,8 +106,7 @@ class AgentsGateway:
             kind = classify(error, payload.get("call_id"))
             if kind is Failure.SESSION_GONE:
                 raise SessionGoneError(f"session {session_id} not found") from error
-            retryable = kind in (Failure.RETRYABLE, Failure.PENDING_RACE)
-            raise SubmissionError(describe(error), retryable=retryable) from error
+            raise SubmissionError(describe(error), kind=_SUBMISSION_KINDS[kind]) from error
 
     def _wait(self, state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -102,3 +124,57 @@ class AgentsGateway:
     async def pending_function_calls(self, session_id: str) -> list[FunctionCallAction]:
         session = await self.retrieve(session_id)
         return [a for a in session.required_actions if isinstance(a, FunctionCallAction)]
+
+    @asynccontextmanager
+    async def events(self, session_id: str, *, idle_timeout: float) -> AsyncIterator[SessionEvents]:
+        """Open the session's live event stream; iterate it inside the block.
+
+        The stream is open (the service buffers events for it) before the block runs, so
+        reconciling there leaves no gap in which an event could be missed. Raises
+        SessionGoneError (404) or StreamInterruptedError; a stream silent for
+        ``idle_timeout`` seconds (no event, no keep-alive) counts as failed, so a half-open
+        connection cannot stall a session for ever.
+        """
+        try:
+            stream = await self.client.beta.agents.sessions.events.stream(
+                session_id, timeout=httpx2.Timeout(idle_timeout, connect=CONNECT_TIMEOUT)
+            )
+        except openai.NotFoundError as error:
+            raise SessionGoneError(f"session {session_id} not found") from error
+        except (openai.OpenAIError, httpx2.HTTPError) as error:
+            raise StreamInterruptedError(describe(error)) from error
+        async with stream:
+            yield SessionEvents(stream)
+
+    async def discover(self, metadata: dict[str, str]) -> list[AgentSession]:
+        """Every session whose metadata matches (all pages)."""
+        found: list[AgentSession] = []
+        async for session in self.client.beta.agents.sessions.list(metadata=metadata, limit=DISCOVERY_PAGE):
+            found.append(session)
+        return found
+
+
+class SessionEvents:
+    """A session's event stream, its failures spoken in toolledger's errors."""
+
+    def __init__(self, stream: AsyncStream[AgentSessionEvent]) -> None:
+        self._events = stream.__aiter__()
+
+    def __aiter__(self) -> SessionEvents:
+        return self
+
+    async def __anext__(self) -> AgentSessionEvent:
+        try:
+            return await self._events.__anext__()
+        except (openai.OpenAIError, httpx2.HTTPError) as error:
+            raise StreamInterruptedError(describe(error)) from error
+
+
+_SUBMISSION_KINDS = {
+    Failure.RETRYABLE: "retryable",
+    # Still unknown after the race retries while listed: the next reconcile decides.
+    Failure.PENDING_RACE: "not_pending",
+    Failure.ALREADY_ANSWERED: "already_answered",
+    Failure.REFUSED: "refused",
+    Failure.SESSION_GONE: "session_gone",
+}

@@ -8,6 +8,7 @@ import openai
 
 PENDING_RACE_CODE = "invalid_request_error"
 PENDING_RACE_PREFIX = "Unknown pending tool call: "
+ALREADY_ANSWERED_CODE = "tool_result_already_submitted"
 
 
 class Failure(StrEnum):
@@ -15,6 +16,8 @@ class Failure(StrEnum):
     """Transport errors, timeouts, 408, 409, 429 and 5xx: the same request may be sent again."""
     PENDING_RACE = "pending_race"
     """The call was announced before the service registered it: retry shortly."""
+    ALREADY_ANSWERED = "already_answered"
+    """The session already holds a result for this call (an earlier submission landed)."""
     SESSION_GONE = "session_gone"
     """404: the session no longer exists."""
     REFUSED = "refused"
@@ -32,6 +35,8 @@ def classify(error: BaseException, call_id: str | None = None) -> Failure:
             return Failure.SESSION_GONE
         if status == 400 and is_pending_race(error, call_id):
             return Failure.PENDING_RACE
+        if status == 400 and _error_code(error) == ALREADY_ANSWERED_CODE:
+            return Failure.ALREADY_ANSWERED
         return Failure.REFUSED
     return Failure.REFUSED
 
@@ -44,6 +49,11 @@ def is_pending_race(error: openai.APIStatusError, call_id: str | None) -> bool:
     return (
         message == f"{PENDING_RACE_PREFIX}{call_id}" if call_id else message.startswith(PENDING_RACE_PREFIX)
     )
+
+
+def _error_code(error: openai.APIStatusError) -> object:
+    body = error.body if isinstance(error.body, dict) else {}
+    return body.get("code")
 
 
 def retry_after_seconds(error: BaseException) -> float | None:

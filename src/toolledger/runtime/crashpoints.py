@@ -21,6 +21,8 @@ CP_AFTER_SUBMIT_RESPONSE = "after_submit_response"
 """The Agents API accepted the result; ``submitted`` is not yet written."""
 CP_DURING_RECOVERY = "during_recovery"
 """Recovery has expired leases and is about to settle and submit."""
+CP_DURING_RECONCILE = "during_reconcile"
+"""The reconciler has read a session's open calls from the ledger; nothing is settled yet."""
 CP_INSIDE_HANDLER = "inside_handler"
 """For test tools: mid side effect."""
 
@@ -31,6 +33,7 @@ ALL_POINTS = frozenset(
         CP_AFTER_RESULT_COMMIT,
         CP_AFTER_SUBMIT_RESPONSE,
         CP_DURING_RECOVERY,
+        CP_DURING_RECONCILE,
         CP_INSIDE_HANDLER,
     }
 )

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 import pydantic
@@ -58,6 +59,17 @@ from toolledger.store.ledger import LedgerStore
 log = logging.getLogger("toolledger.executor")
 
 
+class SubmitOutcome(StrEnum):
+    SUBMITTED = "submitted"
+    """Accepted by the Agents API (or found already answered there)."""
+    ABANDONED = "abandoned"
+    """The session is gone or no longer awaits the call."""
+    FAILED = "failed"
+    """Not accepted this time; the stored result waits for the reconciler."""
+    NOT_SENT = "not_sent"
+    """No gateway, or no stored result."""
+
+
 @dataclass(frozen=True)
 class HandleReport:
     """What handling one delivered call did."""
@@ -83,11 +95,17 @@ class Executor:
         store: LedgerStore,
         gateway: AgentsGateway | None,
         settings: Settings,
+        *,
+        run_handlers: bool = True,
     ) -> None:
+        """``run_handlers=False``: a process without the application's tools (``toolledger
+        reconcile`` with no ``--tools``) resubmits and confirms, but never runs or settles a
+        call: that needs the tool's code and declaration."""
         self.registry = registry
         self.store = store
         self.gateway = gateway
         self.settings = settings
+        self.run_handlers = run_handlers
 
     # ------------------------------------------------------------------ entry
 
@@ -95,6 +113,11 @@ class Executor:
         """Handle one ``function_call`` entry of a session's ``required_actions``."""
         turn_id, call_id, name, arguments = _action_fields(action)
         key = CallKey(session_id, turn_id, call_id)
+        if not self.run_handlers:
+            known = await self.store.get(key)
+            if known is None:
+                return HandleReport(key, "left_for_service", None)
+            return await self._continue(known)
         tool = self.registry.get(name)
         recorded = await self.store.record(
             key,
@@ -120,36 +143,60 @@ class Executor:
         for call in await self.store.in_states([CallStatus.UNKNOWN, CallStatus.PENDING]):
             report.actions[(await self._continue(call)).action] += 1
         for call in await self.store.in_states(RESULT_STATUSES):
-            submitted = await self.submit(call)
-            report.actions["resubmitted" if submitted else "submit_failed"] += 1
+            outcome = await self.submit(call)
+            report.actions["resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"] += 1
         return report
 
-    async def submit(self, call: CallRecord) -> bool:
-        """Send the stored result, byte for byte, with the call's stable Idempotency-Key."""
+    async def submit(self, call: CallRecord, *, listed: bool = True) -> SubmitOutcome:
+        """Send the stored result, byte for byte, with the call's stable Idempotency-Key.
+
+        ``listed``: the call was in the session's ``required_actions`` just now. A call that
+        was not is abandoned if the session refuses it as not pending.
+        """
         if self.gateway is None or call.payload is None:
-            return False
+            return SubmitOutcome.NOT_SENT
         try:
-            await self.gateway.submit_tool_result(call.key.session_id, call.payload, call.idempotency_key)
+            await self.gateway.submit_tool_result(
+                call.key.session_id, call.payload, call.idempotency_key, expect_pending=listed
+            )
         except SessionGoneError as error:
             await self.store.abandon(call.key, f"session gone: {error}")
-            return False
+            return SubmitOutcome.ABANDONED
         except SubmissionError as error:
+            if error.kind == "already_answered":
+                # An earlier submission of this call landed but its answer never reached us.
+                await self.store.mark_submitted(call.key, reason=f"already answered: {error}")
+                return SubmitOutcome.SUBMITTED
+            if error.kind == "not_pending" and not listed:
+                await self.store.abandon(call.key, "no longer awaited by the session")
+                return SubmitOutcome.ABANDONED
             await self.store.record_submission_failure(call.key, str(error))
             log.warning("submitting %s failed (%s); left for the reconciler", call.key, error)
-            return False
+            return SubmitOutcome.FAILED
         crash_point(CP_AFTER_SUBMIT_RESPONSE)
         await self.store.mark_submitted(call.key)
-        return True
+        return SubmitOutcome.SUBMITTED
 
     # ------------------------------------------------------------ existing calls
 
     async def _continue(self, call: CallRecord) -> HandleReport:
         if call.status in RESULT_STATUSES:
-            return HandleReport(call.key, "resubmitted", call.status, await self.submit(call))
+            return await self._submitted_report(call, "resubmitted")
         if call.status is CallStatus.SUBMITTED:
-            # Still awaited after an accepted submission: send the same bytes again; the
-            # Idempotency-Key makes the service apply them once at most.
-            return HandleReport(call.key, "resubmitted", call.status, await self.submit(call))
+            if call.submitted_at is not None and (
+                _seconds_since(call.submitted_at) < self.settings.resubmit_after_seconds
+            ):
+                # Listed in an event sent before our submission landed: nothing to do.
+                return HandleReport(call.key, "already_submitted", call.status, True)
+            # Still awaited well after an accepted submission: send the same bytes again;
+            # the Idempotency-Key makes the service apply them once at most.
+            return await self._submitted_report(call, "resubmitted")
+        if not self.run_handlers and call.status in (
+            CallStatus.PENDING,
+            CallStatus.UNKNOWN,
+            CallStatus.RUNNING,
+        ):
+            return HandleReport(call.key, "left_for_service", call.status)
         if call.status is CallStatus.RUNNING:
             expired = await self.store.expire_leases(call.key)
             if not expired:
@@ -172,7 +219,7 @@ class Executor:
     async def _settle_unknown(self, call: CallRecord) -> HandleReport:
         """An interrupted run left no result: decide by the tool's effect class, never by guessing."""
         tool = self.registry.get(call.tool_name)
-        effect = tool.effect if tool is not None else EffectClass.READ_ONLY
+        effect = tool.effect if tool is not None else call.effect_class
         if effect is EffectClass.VERIFIED and tool is not None:
             kind, outcome = await self._verify(tool, call)
             if outcome is not None:
@@ -234,7 +281,8 @@ class Executor:
     async def _submitted_report(self, call: CallRecord | None, action: str) -> HandleReport:
         if call is None:
             return HandleReport(CallKey("", "", ""), "running_elsewhere", None)
-        return HandleReport(call.key, action, call.status, await self.submit(call))
+        outcome = await self.submit(call)
+        return HandleReport(call.key, action, call.status, outcome is SubmitOutcome.SUBMITTED)
 
     # ------------------------------------------------------------------ running
 
@@ -247,7 +295,8 @@ class Executor:
             log.warning("call %s: lease lost while running; result refused (fenced)", call.key)
             return HandleReport(call.key, "fenced", None)
         crash_point(CP_AFTER_RESULT_COMMIT)
-        return HandleReport(call.key, action, done.status, await self.submit(done))
+        outcome = await self.submit(done)
+        return HandleReport(call.key, action, done.status, outcome is SubmitOutcome.SUBMITTED)
 
     async def _run(self, tool: RegisteredTool | None, call: CallRecord) -> CallRecord:
         token = call.lease_token

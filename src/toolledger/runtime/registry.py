@@ -11,9 +11,10 @@ async def send_receipt(order_id: str, ctx: ToolContext) -> str:
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints, overload
+from typing import Any, get_args, get_type_hints, overload
 
 import pydantic
 from openai import omit
@@ -234,11 +235,28 @@ class ToolRegistry:
         return definitions
 
 
+def _parameter_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The parameters' resolved annotations. The return annotation is left alone, as the SDK's
+    ``function_tool`` does: it may name a type imported only for type checking."""
+    annotations = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != "return"}
+    probe = types.FunctionType((lambda: None).__code__, inspect.unwrap(fn).__globals__)
+    probe.__annotations__ = annotations
+    return get_type_hints(probe, include_extras=True)
+
+
+def _is_context(annotation: Any) -> bool:
+    """``ToolContext``, or ``ToolContext | None``."""
+    if annotation is ToolContext:
+        return True
+    arguments = get_args(annotation)
+    return ToolContext in arguments and all(a in (ToolContext, type(None)) for a in arguments)
+
+
 def _without_context_parameter(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A wrapper whose signature lacks the ``ToolContext`` parameter; it fills it at call time."""
     signature = inspect.signature(fn)
-    hints = get_type_hints(fn, include_extras=True)
-    context_names = [name for name in signature.parameters if hints.get(name) is ToolContext]
+    hints = _parameter_hints(fn)
+    context_names = [name for name in signature.parameters if _is_context(hints.get(name))]
     if not context_names:
         return fn
     if len(context_names) > 1:

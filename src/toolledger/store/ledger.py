@@ -7,9 +7,10 @@ it holds. Zero rows updated means a lost race or a stale worker: never a blind w
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, and_, select, tuple_
+from sqlalchemy import Row, and_, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
@@ -21,7 +22,7 @@ from toolledger.domain.results import Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, TransitionError
 from toolledger.store.engine import utc_after, utc_now
-from toolledger.store.schema import tool_call_events, tool_calls
+from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
 
@@ -272,13 +273,13 @@ class LedgerStore:
                 )
             return expired
 
-    async def mark_submitted(self, key: CallKey) -> CallRecord | None:
+    async def mark_submitted(self, key: CallKey, *, reason: str = "result accepted") -> CallRecord | None:
         """The Agents API accepted the stored result (commit point 3)."""
         return await self._transition(
             key,
             RESULT_STATUSES,
             CallStatus.SUBMITTED,
-            "result accepted",
+            reason,
             values={
                 "submitted_at": utc_now(),
                 "submission_count": tool_calls.c.submission_count + 1,
@@ -391,6 +392,33 @@ class LedgerStore:
                 .order_by(tool_calls.c.created_at)
             )
             return [_record(row) for row in rows]
+
+    async def open_calls(self, session_id: str) -> list[CallRecord]:
+        """The session's calls it may still be waiting on (not abandoned, not confirmed)."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(tool_calls)
+                .where(tool_calls.c.session_id == session_id, open_call_clause())
+                .order_by(tool_calls.c.created_at)
+            )
+            return [_record(row) for row in rows]
+
+    async def count_by_status(self) -> dict[str, int]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(tool_calls.c.status, func.count()).group_by(tool_calls.c.status))
+            return {row[0]: row[1] for row in rows}
+
+    async def oldest_unsubmitted(self) -> datetime | None:
+        """When the oldest stored result still waiting to be submitted was finished."""
+        async with self.engine.connect() as conn:
+            oldest: datetime | None = (
+                await conn.execute(
+                    select(func.min(tool_calls.c.finished_at)).where(
+                        tool_calls.c.status.in_([s.value for s in RESULT_STATUSES])
+                    )
+                )
+            ).scalar_one_or_none()
+            return oldest
 
     async def get_many(self, keys: Sequence[CallKey]) -> dict[CallKey, CallRecord]:
         if not keys:

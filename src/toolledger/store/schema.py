@@ -16,8 +16,11 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
+    or_,
     text,
 )
+from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.states import CallStatus, EffectClass
 
@@ -38,6 +41,20 @@ _STATUSES = ", ".join(f"'{s.value}'" for s in CallStatus)
 _EFFECTS = ", ".join(f"'{e.value}'" for e in EffectClass)
 CLAIMABLE = ("pending", "running", "unknown", "succeeded", "failed")
 """States recovery scans for: a partial index keeps that scan flat as finished calls pile up."""
+
+OPEN_CALL_SQL = (
+    f"status IN ({', '.join(repr(s) for s in CLAIMABLE)}) OR (status = 'submitted' AND confirmed_at IS NULL)"
+)
+"""Calls the session may still be waiting on: start-up recovery looks for their sessions."""
+
+
+def open_call_clause() -> ColumnElement[bool]:
+    """``OPEN_CALL_SQL`` as an expression (bracketed, so it combines safely with others)."""
+    return or_(
+        tool_calls.c.status.in_(CLAIMABLE),
+        and_(tool_calls.c.status == CallStatus.SUBMITTED.value, tool_calls.c.confirmed_at.is_(None)),
+    )
+
 
 tool_calls = Table(
     "tool_calls",
@@ -83,6 +100,12 @@ tool_calls = Table(
         postgresql_where=text("status = 'submitted' AND confirmed_at IS NULL"),
         sqlite_where=text("status = 'submitted' AND confirmed_at IS NULL"),
     ),
+    Index(
+        "ix_tool_calls_open",
+        "session_id",
+        postgresql_where=text(OPEN_CALL_SQL),
+        sqlite_where=text(OPEN_CALL_SQL),
+    ),
     Index("ix_tool_calls_created_at", "created_at"),
     Index("ix_tool_calls_tool_name_created_at", "tool_name", "created_at"),
 )
@@ -124,4 +147,18 @@ sessions = Table(
     Column("status", String(32)),
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),
+    Column("reason", Text),
+    Index("ix_sessions_owner", "owner"),
 )
+
+replicas = Table(
+    "replicas",
+    metadata,
+    Column("replica_id", ID, primary_key=True),
+    Column("hostname", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", Timestamp, nullable=False),
+    Column("heartbeat_at", Timestamp, nullable=False),
+    Column("expires_at", Timestamp, nullable=False),
+)
+"""Live ``serve`` processes: each takes a fair share of the watched sessions."""

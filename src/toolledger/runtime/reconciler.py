@@ -1,0 +1,204 @@
+"""Compares what a session awaits with what the ledger holds, and closes the gap.
+
+For one session: read its open calls from the ledger, then retrieve the session (in that
+order, so a call recorded meanwhile is never mistaken for one the session stopped awaiting),
+then
+- run every listed ``function_call`` through the executor: a call never seen is executed, a
+  stored result is resubmitted, an ``unknown`` one is settled by its effect class;
+- for open calls no longer listed: confirm submitted ones, resubmit stored results (an
+  accepted-then-dropped submission is answered from the API's idempotency record; one the
+  session refuses is abandoned), abandon what nobody awaits any more;
+- a failed or deleted session: abandon its unanswered calls and stop watching it.
+Required actions of other kinds (MCP or computer-use approvals, environment connections)
+are not ours: they are left alone and logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord
+from toolledger.domain.states import RESULT_STATUSES, CallStatus
+from toolledger.errors import SessionGoneError
+from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
+from toolledger.runtime.crashpoints import CP_DURING_RECONCILE, crash_point
+from toolledger.runtime.executor import Executor, HandleReport, SubmitOutcome
+from toolledger.store.sessions import SessionStore
+
+log = logging.getLogger("toolledger.reconciler")
+
+RunCall = Callable[[str, Any], Awaitable[HandleReport | None]]
+LOGGED_ACTIONS_KEPT = 10_000
+
+
+@dataclass
+class SessionReconciliation:
+    session_id: str
+    actions: Counter[str] = field(default_factory=Counter)
+    status: str | None = None
+    stopped: str | None = None
+    """Why the session is no longer watched (failed or deleted), if it was stopped."""
+
+
+@dataclass
+class PassSummary:
+    sessions: int = 0
+    stopped: int = 0
+    errors: int = 0
+    actions: Counter[str] = field(default_factory=Counter)
+
+    def add(self, result: SessionReconciliation) -> None:
+        self.sessions += 1
+        self.stopped += result.stopped is not None
+        self.actions.update(result.actions)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "sessions": self.sessions,
+            "stopped": self.stopped,
+            "errors": self.errors,
+            "actions": dict(sorted(self.actions.items())),
+        }
+
+
+class Reconciler:
+    def __init__(
+        self,
+        executor: Executor,
+        gateway: AgentsGateway,
+        sessions: SessionStore,
+        *,
+        run_call: RunCall | None = None,
+        in_flight: Callable[[CallKey], bool] | None = None,
+    ) -> None:
+        """``run_call`` runs a listed call (the service passes its bounded runner) and
+        ``in_flight`` tells which calls it is busy with (their submission may be on its way)."""
+        self.executor = executor
+        self.gateway = gateway
+        self.sessions = sessions
+        self._run_call = run_call or executor.handle
+        self._in_flight = in_flight or (lambda _key: False)
+        self._logged: OrderedDict[tuple[str, ...], None] = OrderedDict()
+
+    async def reconcile_session(self, session_id: str) -> SessionReconciliation:
+        result = SessionReconciliation(session_id)
+        store = self.executor.store
+        known = {call.key: call for call in await store.open_calls(session_id)}
+        crash_point(CP_DURING_RECONCILE)
+        try:
+            session = await self.gateway.retrieve(session_id)
+        except SessionGoneError:
+            await self._stop(result, known.values(), "session deleted", status="deleted")
+            return result
+        result.status = session.status
+        if session.status == "failed":
+            reason = f"session failed: {session.error}" if session.error else "session failed"
+            await self._stop(result, known.values(), reason, status="failed")
+            return result
+
+        listed: dict[CallKey, FunctionCallAction] = {}
+        for action in session.required_actions:
+            if isinstance(action, FunctionCallAction):
+                listed[CallKey(session_id, action.turn_id, action.call_id)] = action
+            else:
+                self.note_foreign_action(session_id, action)
+                result.actions["left_alone"] += 1
+        await self._run_listed(result, listed)
+        unlisted = [key for key in known if key not in listed]
+        busy = {key for key in unlisted if self._in_flight(key)}
+        result.actions["in_flight"] += len(busy)
+        # Read again: the snapshot predates the retrieve, and a call's own run may have moved
+        # it on since (submitted it, say), which must not be mistaken for work left over.
+        current = await store.get_many([key for key in unlisted if key not in busy])
+        for call in current.values():
+            if call.status is not CallStatus.ABANDONED and call.confirmed_at is None:
+                result.actions[await self._settle_unlisted(call)] += 1
+        if not result.actions["in_flight"]:
+            del result.actions["in_flight"]
+        await self.sessions.mark_polled(session_id, status=session.status)
+        return result
+
+    async def reconcile_many(
+        self,
+        session_ids: Iterable[str],
+        *,
+        concurrency: int = 8,
+        progress: Callable[[SessionReconciliation | None], None] | None = None,
+    ) -> PassSummary:
+        """One pass over many sessions, a few at a time; ``progress`` hears of each one
+        (None for a session whose reconciliation failed)."""
+        summary = PassSummary()
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(session_id: str) -> None:
+            reconciled: SessionReconciliation | None = None
+            async with slots:
+                try:
+                    reconciled = await self.reconcile_session(session_id)
+                    summary.add(reconciled)
+                except Exception:
+                    log.exception("reconciling session %s failed", session_id)
+                    summary.errors += 1
+            if progress is not None:
+                progress(reconciled)
+
+        await asyncio.gather(*(one(s) for s in session_ids))
+        return summary
+
+    # ----------------------------------------------------------------- internals
+
+    async def _run_listed(
+        self, result: SessionReconciliation, listed: dict[CallKey, FunctionCallAction]
+    ) -> None:
+        reports = await asyncio.gather(*(self._run_call(k.session_id, a) for k, a in listed.items()))
+        for report in reports:
+            result.actions[report.action if report is not None else "shutting_down"] += 1
+
+    async def _settle_unlisted(self, call: CallRecord) -> str:
+        """An open call the session no longer lists."""
+        store = self.executor.store
+        if call.status is CallStatus.SUBMITTED:
+            return "confirmed" if await store.mark_confirmed(call.key) else "raced"
+        if call.status in RESULT_STATUSES:
+            outcome = await self.executor.submit(call, listed=False)
+            if outcome is SubmitOutcome.SUBMITTED:
+                # Accepted though not listed: the earlier submission had landed.
+                await store.mark_confirmed(call.key)
+                return "resubmitted"
+            return "abandoned" if outcome is SubmitOutcome.ABANDONED else "submit_failed"
+        if call.status is CallStatus.RUNNING and not await store.expire_leases(call.key):
+            return "running_elsewhere"
+        abandoned = await store.abandon(call.key, "no longer awaited by the session")
+        return "abandoned" if abandoned is not None else "raced"
+
+    async def _stop(
+        self, result: SessionReconciliation, calls: Iterable[CallRecord], reason: str, *, status: str
+    ) -> None:
+        """A failed or deleted session awaits nothing: abandon its unanswered calls."""
+        for call in calls:
+            if call.status is not CallStatus.SUBMITTED and await self.executor.store.abandon(
+                call.key, reason
+            ):
+                result.actions["abandoned"] += 1
+        await self.sessions.unwatch(result.session_id, reason, status=status)
+        result.stopped = reason
+        log.info("session %s: %s; no longer watched", result.session_id, reason)
+
+    def note_foreign_action(self, session_id: str, action: Any) -> None:
+        ident = (
+            session_id,
+            str(getattr(action, "type", "?")),
+            str(getattr(action, "request_id", "") or getattr(action, "environment_id", "")),
+        )
+        if ident in self._logged:
+            return
+        self._logged[ident] = None
+        if len(self._logged) > LOGGED_ACTIONS_KEPT:
+            self._logged.popitem(last=False)
+        log.info("session %s requires a %s action: not a function call, left alone", session_id, ident[1])

@@ -1,0 +1,397 @@
+"""The long-running service: follows watched sessions and answers their function calls.
+
+    async with Service(registry, Settings()) as service:
+        await service.watch(session_id)
+        await service.wait_stopped()
+
+One asyncio task per followed session (an open event stream, no thread), one bounded pool of
+running calls for the whole process. Sessions are shared between replicas through leases on
+the ``sessions`` table: each live replica owns a fair share, renews it, and takes over the
+sessions of a replica whose leases ran out. Every decision about a call is the ledger's, so
+a session followed twice for a moment (a lease taken over from a paused replica) still runs
+each call at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import resource
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import suppress
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from toolledger.errors import SessionGoneError, StreamInterruptedError
+from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
+from toolledger.ledger import ToolLedger
+from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
+from toolledger.runtime.registry import ToolRegistry
+from toolledger.settings import Settings
+from toolledger.store.exclusive import SQLiteServiceLock
+from toolledger.store.sessions import SessionStore
+
+log = logging.getLogger("toolledger.service")
+
+EVENT_IDS_REMEMBERED = 512
+FIRST_RECONNECT_DELAY = 0.2
+WATCH_POLL_SECONDS = 1.0
+TURN_ENDS = frozenset(
+    {"agent.session.turn.completed", "agent.session.turn.cancelled", "agent.session.turn.failed"}
+)
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    replica_id: str
+    followed_sessions: int
+    running_calls: int
+    started: bool
+    stopping: bool
+
+
+class Service:
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        settings: Settings | None = None,
+        *,
+        gateway: AgentsGateway | None = None,
+        auto_migrate: bool | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.ledger = ToolLedger(registry, self.settings, gateway=gateway, auto_migrate=auto_migrate)
+        # Unique per process even when replicas share a configured worker id: session leases
+        # are owned by processes.
+        self.replica_id = f"{self.ledger.worker_id}/{uuid.uuid4().hex[:8]}"
+        self._lock = SQLiteServiceLock(self.settings.database_url)
+        self._leases: dict[str, int] = {}
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._reconciling: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._wake_leases = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._stopping = False
+        self._started = False
+        self._last_renewal = time.monotonic()
+        self._sessions: SessionStore | None = None
+        self._runner: CallRunner | None = None
+        self._reconciler: Reconciler | None = None
+
+    # ------------------------------------------------------------------ life
+
+    async def start(self) -> Service:
+        if self.ledger.engine_is_sqlite:
+            self._lock.acquire()
+        try:
+            await self.ledger.start()
+        except BaseException:
+            self._lock.release()
+            raise
+        _allow_many_connections()
+        executor = self.ledger.executor
+        self._sessions = SessionStore(self.ledger.engine)
+        self._runner = CallRunner(executor, self.settings.max_concurrent_calls)
+        self._reconciler = Reconciler(
+            executor,
+            self.ledger.gateway,
+            self._sessions,
+            run_call=self._runner.run,
+            in_flight=self._runner.is_running,
+        )
+        # Recovery after a crash: every session with a call it may still await is followed,
+        # and each follower reconciles its session before anything else.
+        recovered = await self._sessions.watch_new(await self._sessions.with_open_calls())
+        if recovered:
+            log.info("recovery: %d session(s) with open calls are watched again", recovered)
+        await self._balance()
+        self._loops = [
+            asyncio.create_task(self._lease_loop(), name="session leases"),
+            asyncio.create_task(self._reconcile_loop(), name="periodic reconcile"),
+        ]
+        if self.settings.discover_metadata:
+            self._loops.append(asyncio.create_task(self._discovery_loop(), name="session discovery"))
+        self._started = True
+        log.info(
+            "replica %s serving: %d session(s), up to %d concurrent calls",
+            self.replica_id,
+            len(self._followers),
+            self.settings.max_concurrent_calls,
+        )
+        return self
+
+    async def stop(self, grace: float | None = None) -> int:
+        """Graceful shutdown: take no new calls, let running ones finish within the grace
+        period, give the session leases back. Returns how many calls were cut off (they
+        become ``unknown`` when their leases expire, as after a crash)."""
+        if self._stopping:
+            await self._stopped.wait()
+            return 0
+        self._stopping = True
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        cut_off = 0
+        try:
+            await _cancel_all([*self._loops, *self._followers.values(), *self._reconciling.values()])
+            self._followers.clear()
+            if self._runner is not None:
+                cut_off = await self._runner.drain(grace)
+                if cut_off:
+                    log.warning("shutdown: %d call(s) still running after %.0fs were cut off", cut_off, grace)
+            if self._sessions is not None:
+                try:
+                    await self._sessions.release(self.replica_id)
+                    await self._sessions.remove_replica(self.replica_id)
+                except Exception:
+                    log.exception("shutdown: could not release session leases; they expire on their own")
+        finally:
+            await self.ledger.close()
+            self._lock.release()
+            self._stopped.set()
+            log.info("replica %s stopped", self.replica_id)
+        return cut_off
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> Service:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- watching
+
+    async def watch(self, session_id: str) -> None:
+        """Follow a session (on this replica or another, whichever has room)."""
+        if await self.sessions.watch(session_id):
+            log.info("session %s watched", session_id)
+        self._wake_leases.set()
+
+    async def unwatch(self, session_id: str, reason: str = "unwatched by the application") -> None:
+        await self.sessions.unwatch(session_id, reason)
+        await self._drop(session_id)
+
+    def status(self) -> ServiceStatus:
+        return ServiceStatus(
+            replica_id=self.replica_id,
+            followed_sessions=len(self._followers),
+            running_calls=self._runner.inflight if self._runner else 0,
+            started=self._started,
+            stopping=self._stopping,
+        )
+
+    @property
+    def sessions(self) -> SessionStore:
+        if self._sessions is None:
+            raise RuntimeError("Service is not started: use `async with Service(...)`")
+        return self._sessions
+
+    @property
+    def reconciler(self) -> Reconciler:
+        if self._reconciler is None:
+            raise RuntimeError("Service is not started: use `async with Service(...)`")
+        return self._reconciler
+
+    @property
+    def followed(self) -> frozenset[str]:
+        return frozenset(self._followers)
+
+    # ------------------------------------------------------------------ leases
+
+    async def _lease_loop(self) -> None:
+        renew_every = self.settings.session_lease_seconds / 3
+        while True:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_leases.wait(), timeout=min(renew_every, WATCH_POLL_SECONDS))
+            woken = self._wake_leases.is_set()
+            self._wake_leases.clear()
+            try:
+                # A cheap look for sessions nobody follows (just watched, or left by a dead
+                # replica) between renewals, so new sessions are picked up within a second.
+                due = time.monotonic() - self._last_renewal >= renew_every
+                if woken or due or await self.sessions.has_unowned():
+                    await self._balance()
+            except Exception:
+                log.exception("renewing session leases failed; retrying")
+                if time.monotonic() - self._last_renewal > self.settings.session_lease_seconds:
+                    # Our leases have run out: another replica may follow these sessions now.
+                    for session_id in list(self._followers):
+                        await self._drop(session_id)
+
+    async def _balance(self) -> None:
+        """Renew what we own, then take or give back sessions to hold a fair share."""
+        sessions, lease = self.sessions, self.settings.session_lease_seconds
+        await sessions.heartbeat_replica(
+            self.replica_id, hostname=socket.gethostname(), pid=os.getpid(), lease_seconds=lease
+        )
+        renewed = await sessions.renew(self.replica_id, self._leases, lease)
+        self._last_renewal = time.monotonic()
+        for session_id in set(self._leases) - renewed:
+            log.info("session %s: lease lost (unwatched or taken over)", session_id)
+            await self._drop(session_id)
+        share = await sessions.fair_share()
+        excess = len(self._leases) - share
+        if excess > 0:
+            given = sorted(self._leases)[:excess]
+            for session_id in given:
+                await self._drop(session_id)
+            await sessions.release(self.replica_id, given)
+            log.info("rebalancing: gave back %d session(s)", len(given))
+        elif excess < 0 and not self._stopping:
+            for session_id, token in (await sessions.acquire(self.replica_id, -excess, lease)).items():
+                self._leases[session_id] = token
+                self._followers[session_id] = asyncio.create_task(
+                    self._follow(session_id), name=f"follow {session_id}"
+                )
+
+    async def _drop(self, session_id: str) -> None:
+        self._leases.pop(session_id, None)
+        follower = self._followers.pop(session_id, None)
+        reconciling = self._reconciling.pop(session_id, None)
+        await _cancel_all([t for t in (follower, reconciling) if t is not None])
+
+    # --------------------------------------------------------------- following
+
+    async def _follow(self, session_id: str) -> None:
+        """Follow one session's events until it fails, is deleted, or is no longer ours."""
+        seen: OrderedDict[str, None] = OrderedDict()
+        delay = FIRST_RECONNECT_DELAY
+        while True:
+            try:
+                async with self.ledger.gateway.events(
+                    session_id, idle_timeout=self.settings.stream_idle_timeout_seconds
+                ) as events:
+                    # The stream is open: what happened while we were away is settled now,
+                    # what happens from here on arrives as events.
+                    if await self._reconcile(session_id) is None:
+                        return
+                    async for event in events:
+                        delay = FIRST_RECONNECT_DELAY
+                        if event.event_id in seen:
+                            continue
+                        seen[event.event_id] = None
+                        if len(seen) > EVENT_IDS_REMEMBERED:
+                            seen.popitem(last=False)
+                        if not await self._on_event(session_id, event):
+                            return
+                log.info("session %s: event stream ended; reconnecting", session_id)
+            except SessionGoneError:
+                if await self._reconcile(session_id) is None:
+                    return
+            except StreamInterruptedError as error:
+                log.info("session %s: event stream interrupted (%s); reconnecting", session_id, error)
+            except Exception:
+                log.exception("session %s: following failed; reconnecting", session_id)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not secrecy
+            delay = min(delay * 2, self.settings.stream_backoff_max_seconds)
+
+    async def _on_event(self, session_id: str, event: Any) -> bool:
+        """Act on one event; False once the session is no longer to be followed."""
+        kind = event.type
+        if kind == "agent.session.requires_action":
+            runner = self._runner
+            assert runner is not None
+            for action in event.session.required_actions:
+                if isinstance(action, FunctionCallAction):
+                    runner.dispatch(session_id, action)
+                else:
+                    self.reconciler.note_foreign_action(session_id, action)
+        elif kind == "agent.session.failed":
+            return await self._reconcile(session_id) is not None
+        elif kind in TURN_ENDS:
+            # The turn's calls left required_actions: confirm (or abandon) them in the ledger.
+            self._request_reconcile(session_id)
+        return True
+
+    async def _reconcile(self, session_id: str) -> SessionReconciliation | None:
+        """Reconcile one session; None once it failed or was deleted (no longer followed)."""
+        result = await self.reconciler.reconcile_session(session_id)
+        if result.actions:
+            log.info("session %s reconciled: %s", session_id, dict(result.actions))
+        if result.stopped is not None:
+            await self._drop(session_id)
+            return None
+        return result
+
+    def _request_reconcile(self, session_id: str) -> None:
+        """Reconcile in the background, at most one pass per session at a time."""
+        if session_id in self._reconciling:
+            self._again.add(session_id)
+            return
+
+        runner = self._runner
+        assert runner is not None
+
+        async def run() -> None:
+            try:
+                while True:
+                    self._again.discard(session_id)
+                    try:
+                        # The turn's last submissions may still be on their way back.
+                        await runner.settle(session_id)
+                        await self._reconcile(session_id)
+                    except Exception:
+                        log.exception("session %s: reconcile failed", session_id)
+                    if session_id not in self._again:
+                        return
+            finally:
+                self._reconciling.pop(session_id, None)
+
+        self._reconciling[session_id] = asyncio.create_task(run(), name=f"reconcile {session_id}")
+
+    # ----------------------------------------------------------------- timers
+
+    async def _reconcile_loop(self) -> None:
+        """Catch what events missed, and sessions the application handled by itself."""
+        while True:
+            await asyncio.sleep(self.settings.reconcile_interval_seconds)
+            try:
+                added = await self.sessions.watch_new(await self.sessions.with_open_calls())
+                if added:
+                    self._wake_leases.set()
+                for session_id in list(self._followers):
+                    self._request_reconcile(session_id)
+            except Exception:
+                log.exception("periodic reconcile failed; retrying")
+
+    async def _discovery_loop(self) -> None:
+        metadata = self.settings.discover_metadata
+        assert metadata is not None
+        while True:
+            try:
+                found = await self.ledger.gateway.discover(metadata)
+                candidates = [s.id for s in found if s.status != "failed"]
+                if await self.sessions.watch_new(candidates):
+                    self._wake_leases.set()
+            except Exception:
+                log.exception("discovering sessions by metadata %s failed; retrying", metadata)
+            await asyncio.sleep(self.settings.discover_interval_seconds)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    current = asyncio.current_task()
+    others = [t for t in tasks if t is not current]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+
+
+def _allow_many_connections() -> None:
+    """Each followed session holds a socket: raise the open-files limit as far as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open-files limit from %d", soft)

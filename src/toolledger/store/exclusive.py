@@ -1,0 +1,57 @@
+"""One `serve` process per SQLite ledger: SQLite has no row locks to share sessions with."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+from sqlalchemy.engine import make_url
+
+from toolledger.errors import ToolLedgerError
+
+
+class LedgerInUseError(ToolLedgerError):
+    code = "ledger_in_use"
+
+
+class SQLiteServiceLock:
+    """An advisory lock on ``<database>.serve.lock``, held while the service runs.
+
+    The kernel drops it when the holder dies, even by SIGKILL, so a crash never leaves the
+    ledger locked.
+    """
+
+    def __init__(self, database_url: str) -> None:
+        database = make_url(database_url).database
+        self.database = database
+        self.path = None if not database or database == ":memory:" else Path(database + ".serve.lock")
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        if self.path is None:
+            return
+        handle = self.path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise LedgerInUseError(
+                f"the SQLite ledger {self.database} is already served by {holder}: "
+                "one `toolledger serve` per SQLite file; for replicas use PostgreSQL "
+                "(TOOLLEDGER_DATABASE_URL=postgresql+psycopg://...)"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None

@@ -1,0 +1,243 @@
+"""Watched sessions and the replicas that share them: the only writer of ``sessions`` and
+``replicas``.
+
+A replica owns a session through a lease (owner, token, expiry on the database clock). Each
+live replica takes a fair share of the watched sessions; a dead replica's leases run out and
+the others take its sessions over. On PostgreSQL the candidates are picked with
+``FOR UPDATE SKIP LOCKED`` so racing replicas never pick the same session.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from toolledger.domain.records import ReplicaRecord, SessionRecord
+from toolledger.store.engine import utc_after, utc_now
+from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
+
+
+class SessionStore:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    # ---------------------------------------------------------------- watching
+
+    async def watch(self, session_id: str) -> bool:
+        """Watch a session (again, if it was unwatched). True if it was not watched before."""
+        insert = self._insert(sessions).values(
+            session_id=session_id, watched=True, created_at=utc_now(), updated_at=utc_now()
+        )
+        upsert = insert.on_conflict_do_update(
+            index_elements=[sessions.c.session_id],
+            set_={"watched": True, "reason": None, "updated_at": utc_now()},
+            where=sessions.c.watched.is_(False),
+        ).returning(sessions.c.session_id)
+        async with self.engine.begin() as conn:
+            return (await conn.execute(upsert)).first() is not None
+
+    async def watch_new(self, session_ids: Iterable[str]) -> int:
+        """Watch sessions never seen before; one unwatched on purpose stays unwatched."""
+        rows = [{"session_id": s} for s in dict.fromkeys(session_ids)]
+        if not rows:
+            return 0
+        insert = (
+            self._insert(sessions)
+            .values(watched=True, created_at=utc_now(), updated_at=utc_now())
+            .on_conflict_do_nothing()
+            .returning(sessions.c.session_id)
+        )
+        async with self.engine.begin() as conn:
+            added = 0
+            for row in rows:
+                added += len((await conn.execute(insert.values(**row))).all())
+            return added
+
+    async def unwatch(self, session_id: str, reason: str, *, status: str | None = None) -> bool:
+        """Stop watching; the lease is dropped so no replica follows it any longer."""
+        values: dict[str, Any] = {
+            "watched": False,
+            "reason": reason,
+            "owner": None,
+            "lease_expires_at": None,
+            "updated_at": utc_now(),
+        }
+        if status is not None:
+            values["status"] = status
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                sessions.update()
+                .where(sessions.c.session_id == session_id, sessions.c.watched.is_(True))
+                .values(**values)
+            )
+            return result.rowcount == 1
+
+    async def mark_polled(
+        self, session_id: str, *, status: str | None, last_event_id: str | None = None
+    ) -> None:
+        values: dict[str, Any] = {"last_polled_at": utc_now(), "status": status, "updated_at": utc_now()}
+        if last_event_id is not None:
+            values["last_event_id"] = last_event_id
+        async with self.engine.begin() as conn:
+            await conn.execute(sessions.update().where(sessions.c.session_id == session_id).values(**values))
+
+    # ------------------------------------------------------------------ leases
+
+    async def acquire(self, owner: str, limit: int, lease_seconds: float) -> dict[str, int]:
+        """Take up to ``limit`` watched sessions nobody holds; returns session id -> lease token."""
+        if limit <= 0:
+            return {}
+        free = and_(
+            sessions.c.watched.is_(True),
+            or_(sessions.c.lease_expires_at.is_(None), sessions.c.lease_expires_at < utc_now()),
+        )
+        candidates = (
+            select(sessions.c.session_id)
+            .where(free)
+            .order_by(sessions.c.created_at, sessions.c.session_id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        statement = (
+            sessions.update()
+            .where(sessions.c.session_id.in_(candidates.scalar_subquery()), free)
+            .values(
+                owner=owner,
+                lease_token=sessions.c.lease_token + 1,
+                lease_expires_at=utc_after(float(lease_seconds)),
+                updated_at=utc_now(),
+            )
+            .returning(sessions.c.session_id, sessions.c.lease_token)
+        )
+        async with self.engine.begin() as conn:
+            return {row.session_id: row.lease_token for row in await conn.execute(statement)}
+
+    async def renew(self, owner: str, leases: Mapping[str, int], lease_seconds: float) -> set[str]:
+        """Extend the leases still ours; returns the session ids renewed (the rest are lost)."""
+        if not leases:
+            return set()
+        statement = (
+            sessions.update()
+            .where(
+                sessions.c.owner == owner,
+                sessions.c.watched.is_(True),
+                sessions.c.session_id.in_(list(leases)),
+            )
+            .values(lease_expires_at=utc_after(float(lease_seconds)), updated_at=utc_now())
+            .returning(sessions.c.session_id, sessions.c.lease_token)
+        )
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(statement)).all()
+        return {row.session_id for row in rows if leases.get(row.session_id) == row.lease_token}
+
+    async def has_unowned(self) -> bool:
+        """Is some watched session followed by nobody (just watched, or its owner died)?"""
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(sessions.c.session_id)
+                    .where(
+                        sessions.c.watched.is_(True),
+                        or_(sessions.c.lease_expires_at.is_(None), sessions.c.lease_expires_at < utc_now()),
+                    )
+                    .limit(1)
+                )
+            ).first()
+            return row is not None
+
+    async def release(self, owner: str, session_ids: Sequence[str] | None = None) -> int:
+        """Give leases back at once (graceful shutdown, rebalancing), so others need not wait."""
+        statement = sessions.update().where(sessions.c.owner == owner)
+        if session_ids is not None:
+            if not session_ids:
+                return 0
+            statement = statement.where(sessions.c.session_id.in_(list(session_ids)))
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                statement.values(owner=None, lease_expires_at=None, updated_at=utc_now())
+            )
+            return result.rowcount
+
+    # ---------------------------------------------------------------- replicas
+
+    async def heartbeat_replica(
+        self, replica_id: str, *, hostname: str, pid: int, lease_seconds: float
+    ) -> None:
+        insert = self._insert(replicas).values(
+            replica_id=replica_id,
+            hostname=hostname,
+            pid=pid,
+            started_at=utc_now(),
+            heartbeat_at=utc_now(),
+            expires_at=utc_after(float(lease_seconds)),
+        )
+        upsert = insert.on_conflict_do_update(
+            index_elements=[replicas.c.replica_id],
+            set_={"heartbeat_at": utc_now(), "expires_at": utc_after(float(lease_seconds))},
+        )
+        async with self.engine.begin() as conn:
+            await conn.execute(upsert)
+            # Rows of replicas long dead are noise in `toolledger status`.
+            await conn.execute(replicas.delete().where(replicas.c.expires_at < utc_after(-3600.0)))
+
+    async def remove_replica(self, replica_id: str) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(replicas.delete().where(replicas.c.replica_id == replica_id))
+
+    async def fair_share(self) -> int:
+        """How many watched sessions each live replica should own."""
+        async with self.engine.connect() as conn:
+            live = (
+                await conn.execute(select(func.count()).where(replicas.c.expires_at >= utc_now()))
+            ).scalar_one()
+            watched = (
+                await conn.execute(select(func.count()).where(sessions.c.watched.is_(True)))
+            ).scalar_one()
+        return math.ceil(watched / max(live, 1))
+
+    async def live_replicas(self) -> list[ReplicaRecord]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(replicas).where(replicas.c.expires_at >= utc_now()).order_by(replicas.c.started_at)
+            )
+            return [ReplicaRecord(**row._mapping) for row in rows]
+
+    # ------------------------------------------------------------------- reads
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(sessions).where(sessions.c.session_id == session_id))).first()
+            return None if row is None else _session(row)
+
+    async def find(
+        self, *, watched: bool | None = True, owner: str | None = None, limit: int | None = None
+    ) -> list[SessionRecord]:
+        query = select(sessions).order_by(sessions.c.created_at, sessions.c.session_id)
+        if watched is not None:
+            query = query.where(sessions.c.watched.is_(watched))
+        if owner is not None:
+            query = query.where(sessions.c.owner == owner)
+        if limit is not None:
+            query = query.limit(limit)
+        async with self.engine.connect() as conn:
+            return [_session(row) for row in await conn.execute(query)]
+
+    async def with_open_calls(self) -> list[str]:
+        """Sessions with a call the session may still be waiting on (the recovery scan)."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(tool_calls.c.session_id).where(open_call_clause()).distinct())
+            return [row.session_id for row in rows]
+
+
+def _session(row: Row[Any]) -> SessionRecord:
+    return SessionRecord(**row._mapping)
+
+
+__all__ = ["SessionStore"]

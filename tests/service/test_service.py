@@ -1,0 +1,327 @@
+"""The service in this process, against the emulator over HTTP with the real SDK, on real
+SQLite and PostgreSQL: a multi-session workload under every fault the emulator can inject."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from tests.service.tools import registry
+from tests.service.workload import (
+    CALLS_PER_SESSION,
+    assert_exactly_once,
+    read_effects,
+    start_sessions,
+    wait_until_idle,
+)
+from toolledger.domain.keys import CallKey
+from toolledger.domain.states import CallStatus
+from toolledger.emulator import EmulatorServer, Script
+from toolledger.errors import ToolLedgerError
+from toolledger.runtime.service import Service
+from toolledger.settings import Settings
+from toolledger.store.engine import create_engine
+from toolledger.store.ledger import LedgerStore
+from toolledger.store.sessions import SessionStore
+
+SESSIONS = 6
+
+FAST = {
+    "lease_seconds": 1.0,
+    "session_lease_seconds": 2.0,
+    "reconcile_interval_seconds": 1.0,
+    "stream_backoff_max_seconds": 0.3,
+    "shutdown_grace_seconds": 2.0,
+}
+
+
+def service_settings(database_url: str, emulator: EmulatorServer, **overrides: Any) -> Settings:
+    return Settings(
+        database_url=database_url,
+        openai_base_url=emulator.base_url,
+        worker_id="service-test",
+        **{**FAST, **overrides},
+    )
+
+
+@asynccontextmanager
+async def running_service(
+    database_url: str, emulator: EmulatorServer, **overrides: Any
+) -> AsyncIterator[Service]:
+    async with Service(
+        registry, service_settings(database_url, emulator, **overrides), auto_migrate=False
+    ) as service:
+        yield service
+
+
+async def watch_all(service: Service, session_ids: list[str]) -> None:
+    for session_id in session_ids:
+        await service.watch(session_id)
+
+
+async def ledger_calls(database_url: str, session_ids: list[str]) -> dict[CallKey, Any]:
+    engine = create_engine(database_url)
+    try:
+        store = LedgerStore(engine, actor="test")
+        calls = {}
+        for session_id in session_ids:
+            for call in await store.for_session(session_id):
+                calls[call.key] = call
+        return calls
+    finally:
+        await engine.dispose()
+
+
+async def session_records(database_url: str) -> dict[str, Any]:
+    engine = create_engine(database_url)
+    try:
+        return {r.session_id: r for r in await SessionStore(engine).find(watched=None)}
+    finally:
+        await engine.dispose()
+
+
+async def test_service__many_sessions__every_call_answered_once(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(database_url, emulator) as service:
+        session_ids = await start_sessions(emulator, SESSIONS)
+        await watch_all(service, session_ids)
+        await wait_until_idle(emulator, session_ids)
+
+    figures = assert_exactly_once(emulator, session_ids, effects_file, CALLS_PER_SESSION)
+    assert figures["effects"] == SESSIONS * CALLS_PER_SESSION, "each handler ran exactly once"
+    calls = await ledger_calls(database_url, session_ids)
+    assert len(calls) == SESSIONS * CALLS_PER_SESSION
+    assert {c.status for c in calls.values()} == {CallStatus.SUBMITTED}
+
+
+def _close_streams_drop(emulator: EmulatorServer) -> None:
+    emulator.control.close_streams(after_events=3, count=20, mode="drop")
+
+
+def _close_streams_end(emulator: EmulatorServer) -> None:
+    emulator.control.close_streams(after_events=2, count=20, mode="end")
+
+
+def _server_errors(emulator: EmulatorServer) -> None:
+    emulator.control.fail_submissions(count=8, status=503)
+
+
+def _accept_then_drop(emulator: EmulatorServer) -> None:
+    emulator.control.accept_then_drop(count=6)
+
+
+def _drop_before_apply(emulator: EmulatorServer) -> None:
+    emulator.control.drop_before_apply(count=6)
+
+
+def _pending_race(emulator: EmulatorServer) -> None:
+    emulator.control.delay_registration(0.3, steps=6)
+    emulator.control.unknown_pending(count=4)
+
+
+def _duplicate_events(emulator: EmulatorServer) -> None:
+    emulator.control.duplicate_events()
+
+
+FAULTS: dict[str, Callable[[EmulatorServer], None]] = {
+    "dropped_streams": _close_streams_drop,
+    "ended_streams": _close_streams_end,
+    "server_errors": _server_errors,
+    "accepted_then_dropped": _accept_then_drop,
+    "dropped_before_apply": _drop_before_apply,
+    "pending_call_race": _pending_race,
+    "duplicate_events": _duplicate_events,
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_service__under_fault__every_call_answered_once_and_run_once(
+    fault: str, database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    FAULTS[fault](emulator)
+    async with running_service(database_url, emulator) as service:
+        session_ids = await start_sessions(emulator, SESSIONS)
+        await watch_all(service, session_ids)
+        await wait_until_idle(emulator, session_ids)
+
+    assert_exactly_once(emulator, session_ids, effects_file, CALLS_PER_SESSION)
+    effects = read_effects(effects_file)
+    charged = [e for e in effects if e.tool == "charge"]
+    assert len(charged) == 2 * SESSIONS, "every charge ran once: none lost, none repeated"
+    armed = emulator.control.faults()
+    # A counted fault disappears once used up; whatever is left must have fired.
+    assert all(f["fired"] > 0 for f in armed), f"the fault never fired: {armed}"
+
+
+async def test_service__duplicate_deliveries__do_not_even_reach_the_ledger_twice(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    emulator.control.duplicate_events()
+    async with running_service(sqlite_url, emulator) as service:
+        session_ids = await start_sessions(emulator, 2)
+        await watch_all(service, session_ids)
+        await wait_until_idle(emulator, session_ids)
+
+    assert len(read_effects(effects_file)) == 2 * CALLS_PER_SESSION
+    received = [r for r in emulator.control.tool_results() if r.session_id in session_ids]
+    assert [r.outcome for r in received] == ["accepted"] * len(received), "no submission repeated"
+
+
+async def wait_for(predicate: Callable[[], Any], within: float = 10.0, interval: float = 0.05) -> Any:
+    async with asyncio.timeout(within):
+        while True:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            await asyncio.sleep(interval)
+
+
+def slow_script(pause_ms: int) -> Script:
+    return Script.of_calls([("charge", {"amount": 1, "pause_ms": pause_ms})])
+
+
+async def test_service__session_fails_mid_call__call_abandoned_and_session_unwatched(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(database_url, emulator) as service:
+        [session_id] = await start_sessions(emulator, 1, slow_script(pause_ms=600))
+        await service.watch(session_id)
+        await wait_for(lambda: read_effects(effects_file))  # the handler is running
+        emulator.control.fail_session(session_id, "model crashed")
+        await wait_for(lambda: session_id not in service.followed)
+
+    [call] = (await ledger_calls(database_url, [session_id])).values()
+    assert call.status is CallStatus.ABANDONED
+    assert call.abandoned_reason == "session failed: model crashed"
+    record = (await session_records(database_url))[session_id]
+    assert (record.watched, record.status, record.reason) == (
+        False,
+        "failed",
+        "session failed: model crashed",
+    )
+    assert not emulator.control.accepted_results(session_id)
+
+
+async def test_service__session_deleted__unwatched_with_reason(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(database_url, emulator) as service:
+        [session_id] = await start_sessions(emulator, 1)
+        await service.watch(session_id)
+        await wait_until_idle(emulator, [session_id])
+        async with AsyncOpenAI(base_url=emulator.base_url, api_key="sk-test") as client:
+            await client.beta.agents.sessions.delete(session_id)
+        await wait_for(lambda: session_id not in service.followed)
+
+    record = (await session_records(database_url))[session_id]
+    assert (record.watched, record.status, record.reason) == (False, "deleted", "session deleted")
+    calls = await ledger_calls(database_url, [session_id])
+    assert {c.status for c in calls.values()} == {CallStatus.SUBMITTED}, "answered calls stay answered"
+
+
+async def test_service__turn_cancelled_while_handler_runs__result_kept_call_abandoned(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(sqlite_url, emulator) as service:
+        [session_id] = await start_sessions(emulator, 1, slow_script(pause_ms=500))
+        await service.watch(session_id)
+        await wait_for(lambda: read_effects(effects_file))
+        emulator.control.cancel_turn(session_id)
+
+        async def abandoned() -> bool:
+            [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+            return call.status is CallStatus.ABANDONED
+
+        await wait_for(abandoned)
+
+    [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+    assert call.result is not None, "the handler's outcome stays on the record"
+    assert call.abandoned_reason == "no longer awaited by the session"
+    assert len(read_effects(effects_file)) == 1
+    assert not emulator.control.accepted_results(session_id)
+
+
+async def test_service__second_service_on_one_sqlite_file__refused_clearly(
+    sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    async with running_service(sqlite_url, emulator):
+        second = Service(registry, service_settings(sqlite_url, emulator), auto_migrate=False)
+        with pytest.raises(ToolLedgerError, match=r"already served by pid .*for replicas use PostgreSQL"):
+            await second.start()
+    # Once the first is gone, the file can be served again.
+    async with running_service(sqlite_url, emulator) as again:
+        assert again.status().started
+
+
+async def test_service__watched_from_another_process_view__followed_within_seconds(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(database_url, emulator) as service:
+        [session_id] = await start_sessions(emulator, 1)
+        engine = create_engine(database_url)
+        try:
+            await SessionStore(engine).watch(session_id)  # what `toolledger sessions watch` does
+        finally:
+            await engine.dispose()
+        await wait_for(lambda: session_id in service.followed, within=5.0)
+        await wait_until_idle(emulator, [session_id])
+
+    assert_exactly_once(emulator, [session_id], effects_file, CALLS_PER_SESSION)
+
+
+async def test_service__discovery_by_metadata__follows_matching_sessions_only(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    async with running_service(
+        sqlite_url, emulator, discover_metadata={"app": "shop"}, discover_interval_seconds=0.2
+    ) as service:
+        ours = await start_sessions(emulator, 2, app="shop")
+        theirs = await start_sessions(emulator, 1, app="other")
+        await wait_until_idle(emulator, ours)
+        await asyncio.sleep(0.5)
+        assert not service.followed & set(theirs)
+
+    assert_exactly_once(emulator, ours, effects_file, CALLS_PER_SESSION)
+    assert not emulator.control.accepted_results(theirs[0])
+
+
+async def test_service__graceful_stop__finishes_short_calls_and_leaves_long_ones_to_lease_expiry(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    service = Service(registry, service_settings(sqlite_url, emulator, lease_seconds=0.5), auto_migrate=False)
+    await service.start()
+    short, long = await start_sessions(emulator, 1, slow_script(300)) + await start_sessions(
+        emulator, 1, slow_script(3000)
+    )
+    await service.watch(short)
+    await service.watch(long)
+    await wait_for(lambda: len(read_effects(effects_file)) == 2)
+    cut_off = await service.stop(grace=1.0)
+
+    assert cut_off == 1
+    calls = await ledger_calls(sqlite_url, [short, long])
+    by_session = {key.session_id: call for key, call in calls.items()}
+    assert by_session[short].status is CallStatus.SUBMITTED
+    assert by_session[long].status is CallStatus.RUNNING, "left as a crash would leave it"
+    records = await session_records(sqlite_url)
+    assert records[short].owner is None, "leases given back"
+    assert records[long].owner is None
+    # A new service finds the lease expired: the at_most_once call is unknown, never re-run.
+    await asyncio.sleep(0.6)
+    async with running_service(sqlite_url, emulator, lease_seconds=0.5):
+
+        async def unknown() -> bool:
+            call = (await ledger_calls(sqlite_url, [long]))[by_session[long].key]
+            return call.status is CallStatus.UNKNOWN
+
+        await wait_for(unknown)
+    assert [e.session_id for e in read_effects(effects_file)].count(long) == 1
