@@ -12,6 +12,7 @@ _EXPORTS = {
     "CallKey": "toolledger.domain.keys",
     "CallStatus": "toolledger.domain.states",
     "EffectClass": "toolledger.domain.states",
+    "Service": "toolledger.runtime.service",
     "Settings": "toolledger.settings",
     "ToolContext": "toolledger.runtime.context",
     "ToolError": "toolledger.domain.results",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from toolledger.ledger import ToolLedger
     from toolledger.runtime.context import ToolContext, Verification, current_context
     from toolledger.runtime.registry import ToolRegistry
+    from toolledger.runtime.service import Service
     from toolledger.settings import Settings
 
 
@@ -41,6 +43,7 @@ __all__ = [
     "CallKey",
     "CallStatus",
     "EffectClass",
+    "Service",
     "Settings",
     "ToolContext",
     "ToolError",

@@ -325,3 +325,37 @@ async def test_service__graceful_stop__finishes_short_calls_and_leaves_long_ones
 
         await wait_for(unknown)
     assert [e.session_id for e in read_effects(effects_file)].count(long) == 1
+
+
+async def test_service__approval_requests_beside_function_calls__left_alone_and_logged_once(
+    sqlite_url: str,
+    emulator: EmulatorServer,
+    effects_file: Path,
+    async_client: AsyncOpenAI,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    script = Script.model_validate(
+        {
+            "steps": [
+                {"calls": [{"name": "lookup", "arguments": {"order_id": "A1"}}], "approvals": ["files"]},
+                {"calls": [{"name": "notify", "arguments": {"message": "x", "pause_ms": 200}}]},
+            ]
+        }
+    )
+    [session_id] = await start_sessions(emulator, 1, script)
+    await wait_for(lambda: _lists_approval(async_client, session_id))
+    caplog.set_level("INFO", logger="toolledger.reconciler")
+    async with running_service(sqlite_url, emulator) as service:
+        await service.watch(session_id)
+        await wait_until_idle(emulator, [session_id])
+
+    assert_exactly_once(emulator, [session_id], effects_file, 2)
+    notes = [r for r in caplog.records if "mcp_approval_request action" in r.getMessage()]
+    assert len(notes) == 1, "logged once, however often it was listed"
+    received = emulator.control.tool_results(session_id)
+    assert {r.call_id for r in received} == {k.call_id for k in await ledger_calls(sqlite_url, [session_id])}
+
+
+async def _lists_approval(client: AsyncOpenAI, session_id: str) -> bool:
+    session = await client.beta.agents.sessions.retrieve(session_id)  # strict parsing of every action
+    return any(action.type == "mcp_approval_request" for action in session.required_actions)

@@ -32,6 +32,11 @@ class ScriptStep(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     calls: list[ScriptedCall] = Field(min_length=1)
+    approvals: list[str] = Field(default_factory=list)
+    """MCP server labels: an ``mcp_approval_request`` per label is listed in
+    ``required_actions`` beside the step's calls while it waits, as a real agent's MCP tools
+    would ask. The emulator does not need them answered; they show that a client leaves
+    actions that are not function calls alone."""
 
 
 class Script(BaseModel):

@@ -126,6 +126,8 @@ class Turn:
     step: int = -1
     calls: dict[str, Call] = field(default_factory=dict)
     outcomes: list[ToolOutcome] = field(default_factory=list)
+    approvals: list[dict[str, Any]] = field(default_factory=list)
+    """The current step's MCP approval requests (listed while the step waits)."""
 
     def step_calls(self) -> list[Call]:
         return [call for call in self.calls.values() if call.step == self.step]
@@ -175,13 +177,14 @@ class Session:
     def required_actions(self) -> list[dict[str, Any]]:
         if self.active is None:
             return []
-        return [
+        actions = [
             wire.function_call_action(
                 turn_id=call.turn_id, call_id=call.call_id, name=call.name, arguments=call.arguments
             )
             for call in self.active.calls.values()
             if call.registered and call.result is None
         ]
+        return [*actions, *self.active.approvals] if actions else actions
 
     def json(self) -> dict[str, Any]:
         return wire.session(
@@ -553,6 +556,10 @@ class EmulatorState:
             return
         output_index = len(turn.calls)
         calls = []
+        turn.approvals = [
+            wire.mcp_approval_action(turn_id=turn.id, request_id=wire.new_id("mcpr"), server_label=label)
+            for label in script.steps[turn.step].approvals
+        ]
         for scripted in script.steps[turn.step].calls:
             call = Call(
                 call_id=wire.new_id("call"),

@@ -123,6 +123,22 @@ def function_call_action(*, turn_id: str, call_id: str, name: str, arguments: An
     }
 
 
+def mcp_approval_action(*, turn_id: str, request_id: str, server_label: str) -> dict[str, Any]:
+    """An MCP tool-call approval request in ``session.required_actions`` (not a function call)."""
+    return {
+        "type": "mcp_approval_request",
+        "turn_id": turn_id,
+        "request_id": request_id,
+        "request": {
+            "type": "mcp_tool_call",
+            "server_label": server_label,
+            "name": "delete_everything",
+            "arguments": {},
+            "message": f"{server_label} asks to run delete_everything",
+        },
+    }
+
+
 def function_call_item(
     *, item_id: str, turn_id: str, call_id: str, name: str, arguments: Any, status: str
 ) -> dict[str, Any]:
