@@ -11,8 +11,8 @@ import os
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
+from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
 from toolledger.runtime.context import ToolContext
-from toolledger.runtime.crashpoints import CP_INSIDE_HANDLER, crash_point
 from toolledger.runtime.registry import ToolRegistry
 
 effects = Table(

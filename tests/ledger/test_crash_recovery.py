@@ -20,10 +20,10 @@ from sqlalchemy import func, select
 from tests.ledger.crash_tools import effects, registry
 from tests.ledger.crash_worker import LEASE_SECONDS
 from tests.ledger.executor_harness import pending_actions, running_ledger
+from toolledger import crashpoints as cp
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
-from toolledger.runtime import crashpoints as cp
 from toolledger.store.engine import create_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,11 +16,11 @@ from openai.types.beta.agent_session import RequiredActionSessionRequiredActionR
 
 from tests.service.serve_process import ServeProcess, run_cli
 from tests.service.workload import AT_MOST_ONCE_TOOLS, read_effects, start_sessions
+from toolledger import crashpoints as cp
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
-from toolledger.runtime import crashpoints as cp
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 
@@ -33,6 +33,7 @@ POINTS = {
     cp.CP_INSIDE_HANDLER: 3,
     cp.CP_AFTER_HANDLER: 3,
     cp.CP_AFTER_RESULT_COMMIT: 3,
+    cp.CP_SUBMIT_ACCEPTED: 3,
     cp.CP_AFTER_SUBMIT_RESPONSE: 3,
     cp.CP_DURING_RECONCILE: 2,
 }

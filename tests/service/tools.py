@@ -7,8 +7,8 @@ import asyncio
 import os
 import time
 
+from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
 from toolledger.runtime.context import ToolContext
-from toolledger.runtime.crashpoints import CP_INSIDE_HANDLER, crash_point
 from toolledger.runtime.registry import ToolRegistry
 
 registry = ToolRegistry()

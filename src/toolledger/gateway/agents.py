@@ -17,6 +17,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from openai.types.beta.agent_session_input_param import SessionInputParamAgentSessionInputToolResult
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
+from toolledger import crashpoints
 from toolledger.errors import SessionGoneError, StreamInterruptedError, SubmissionError
 from toolledger.gateway.classify import Failure, classify, describe, retry_after_seconds
 
@@ -50,8 +51,9 @@ class AgentsGateway:
     def connect(cls, *, api_key: str | None, base_url: str | None, **policy: Any) -> AgentsGateway:
         # Every followed session holds one streaming connection: the SDK's default pool (1,000
         # connections) would make the thousand-and-first session wait forever.
+        hooks = {"response": [_crash_when_submission_accepted]} if crashpoints.armed() else {}
         http_client = DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200)
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200), event_hooks=hooks
         )
         client = AsyncOpenAI(
             api_key=api_key or "unused-by-the-emulator", base_url=base_url, http_client=http_client
@@ -168,6 +170,12 @@ class SessionEvents:
             return await self._events.__anext__()
         except (openai.OpenAIError, httpx2.HTTPError) as error:
             raise StreamInterruptedError(describe(error)) from error
+
+
+async def _crash_when_submission_accepted(response: httpx2.Response) -> None:
+    request = response.request
+    if request.method == "POST" and request.url.path.endswith("/events") and response.is_success:
+        crashpoints.crash_point(crashpoints.CP_SUBMIT_ACCEPTED)
 
 
 _SUBMISSION_KINDS = {

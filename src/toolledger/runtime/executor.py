@@ -22,6 +22,14 @@ from typing import Any
 import pydantic
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from toolledger.crashpoints import (
+    CP_AFTER_CLAIM_COMMIT,
+    CP_AFTER_HANDLER,
+    CP_AFTER_RESULT_COMMIT,
+    CP_AFTER_SUBMIT_RESPONSE,
+    CP_DURING_RECOVERY,
+    crash_point,
+)
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.results import (
@@ -44,14 +52,6 @@ from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, SessionGoneError, SubmissionError
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
-from toolledger.runtime.crashpoints import (
-    CP_AFTER_CLAIM_COMMIT,
-    CP_AFTER_HANDLER,
-    CP_AFTER_RESULT_COMMIT,
-    CP_AFTER_SUBMIT_RESPONSE,
-    CP_DURING_RECOVERY,
-    crash_point,
-)
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store.ledger import LedgerStore

@@ -22,12 +22,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolledger.crashpoints import CP_DURING_RECONCILE, crash_point
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import SessionGoneError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
-from toolledger.runtime.crashpoints import CP_DURING_RECONCILE, crash_point
 from toolledger.runtime.executor import Executor, HandleReport, SubmitOutcome
 from toolledger.store.sessions import SessionStore
 

@@ -2,7 +2,10 @@
 
 Arm them with ``TOOLLEDGER_CRASH_AT=<point>[@<n>][,...]`` in the environment of a worker
 process (the n-th time the point is reached, default the first). Each point is passed at
-exactly one place in the runtime, so a crash there means one precise moment of a call's life.
+exactly one place, so a crash there means one precise moment of a call's life.
+
+Recording a call and claiming it are one commit, so "after recording" and "after the claim
+commit" are the same moment: ``after_claim_commit``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ CP_AFTER_HANDLER = "after_handler"
 """The handler returned (a transactional tool's writes are not committed); no result stored."""
 CP_AFTER_RESULT_COMMIT = "after_result_commit"
 """The result is stored (``succeeded``/``failed``); nothing was submitted."""
+CP_SUBMIT_ACCEPTED = "submit_accepted"
+"""The Agents API answered a submission with 2xx (it applied it); the answer has not reached
+the code that submitted."""
 CP_AFTER_SUBMIT_RESPONSE = "after_submit_response"
 """The Agents API accepted the result; ``submitted`` is not yet written."""
 CP_DURING_RECOVERY = "during_recovery"
@@ -31,6 +37,7 @@ ALL_POINTS = frozenset(
         CP_AFTER_CLAIM_COMMIT,
         CP_AFTER_HANDLER,
         CP_AFTER_RESULT_COMMIT,
+        CP_SUBMIT_ACCEPTED,
         CP_AFTER_SUBMIT_RESPONSE,
         CP_DURING_RECOVERY,
         CP_DURING_RECONCILE,
@@ -51,6 +58,10 @@ def _parse(spec: str) -> dict[str, int]:
 
 _armed = _parse(os.environ.get("TOOLLEDGER_CRASH_AT", ""))
 _hits: dict[str, int] = {}
+
+
+def armed() -> bool:
+    return bool(_armed)
 
 
 def crash_point(name: str) -> None:
