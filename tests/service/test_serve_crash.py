@@ -15,7 +15,14 @@ from openai import AsyncOpenAI
 from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
 
 from tests.service.serve_process import ServeProcess, run_cli
-from tests.service.workload import AT_MOST_ONCE_TOOLS, read_effects, start_sessions
+from tests.service.tools import refunds
+from tests.service.workload import (
+    AT_MOST_ONCE_TOOLS,
+    EVERY_CLASS_CALLS,
+    every_class_script,
+    read_effects,
+    start_sessions,
+)
 from toolledger import crashpoints as cp
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
@@ -68,7 +75,10 @@ async def wait_quiescent(
             calls = await ledger_calls(database_url, session_ids)
             for session in sessions:
                 if session.status == "idle":
-                    states[session.id] = "idle"
+                    # ... and the service wrote down what the API accepted.
+                    mine = [c for k, c in calls.items() if k.session_id == session.id]
+                    if all(c.status is CallStatus.SUBMITTED for c in mine):
+                        states[session.id] = "idle"
                     continue
                 listed = [
                     CallKey(session.id, a.turn_id, a.call_id)
@@ -86,6 +96,24 @@ async def wait_quiescent(
             await asyncio.sleep(0.2)
 
 
+async def create_refunds_table(database_url: str) -> None:
+    engine = create_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(refunds.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def refund_rows(database_url: str) -> Counter[str]:
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            return Counter(row.call_id for row in await conn.execute(refunds.select()))
+    finally:
+        await engine.dispose()
+
+
 @pytest.mark.parametrize(("backend", "point"), _cases())
 async def test_serve__sigkilled_at_crash_point_then_restarted__nothing_lost_nothing_repeated(
     backend: str,
@@ -96,7 +124,8 @@ async def test_serve__sigkilled_at_crash_point_then_restarted__nothing_lost_noth
     tmp_path: Path,
 ) -> None:
     database_url: str = request.getfixturevalue(f"{backend}_url")
-    session_ids = await start_sessions(emulator, SESSIONS)
+    await create_refunds_table(database_url)
+    session_ids = await start_sessions(emulator, SESSIONS, every_class_script())
     watched = run_cli("sessions", "watch", *session_ids, database_url=database_url)
     assert watched.returncode == 0, watched.stderr
 
@@ -120,17 +149,24 @@ async def test_serve__sigkilled_at_crash_point_then_restarted__nothing_lost_noth
     )
 
     assert all(n == 1 for n in accepted.values()), f"answered twice: {accepted}"
+    waiting = {s for s, state in states.items() if state != "idle"}
+    assert len(calls) == SESSIONS * EVERY_CLASS_CALLS or waiting, "every call was recorded"
+    rows = await refund_rows(database_url)
     for key, call in calls.items():
         if call.tool_name in AT_MOST_ONCE_TOOLS:
             assert runs[key] <= 1, f"{key} ({call.tool_name}) ran {runs[key]} times"
+        if call.tool_name == "ship":
+            assert runs[key] == 1, f"verified {key} ran {runs[key]} times: the hook must settle it"
+        if call.tool_name == "record_refund":
+            assert rows[key.call_id] == 1, f"transactional {key}: {rows[key.call_id]} rows"
         if call.status is CallStatus.UNKNOWN:
             assert call.tool_name in AT_MOST_ONCE_TOOLS, f"{key}: only at_most_once calls may stay unknown"
             assert accepted[key] == 0
         else:
             assert call.status is CallStatus.SUBMITTED, f"{key} ended {call.status}"
             assert accepted[key] == 1, f"{key} not answered"
-            assert runs[key] >= 1, f"{key} answered without running"
-    waiting = {s for s, state in states.items() if state != "idle"}
+            ran = rows[key.call_id] if call.tool_name == "record_refund" else runs[key]
+            assert ran >= 1, f"{key} answered without running"
     assert waiting <= {k.session_id for k, c in calls.items() if c.status is CallStatus.UNKNOWN}
     # The audit trail of every call starts with its recording and is ordered.
     engine = create_engine(database_url)

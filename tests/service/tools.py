@@ -7,15 +7,29 @@ import asyncio
 import os
 import time
 
+from sqlalchemy import Column, Integer, MetaData, String, Table
+
 from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
-from toolledger.runtime.context import ToolContext
+from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
 
 registry = ToolRegistry()
 
+refunds = Table(
+    "test_refunds",
+    MetaData(),
+    Column("id", Integer, primary_key=True),
+    Column("call_id", String(255), nullable=False),
+)
+"""Written by the transactional tool through the ledger's own transaction."""
+
+
+def effects_path() -> str:
+    return os.environ["SERVICE_EFFECTS_FILE"]
+
 
 def _effect(tool: str, ctx: ToolContext) -> None:
-    with open(os.environ["SERVICE_EFFECTS_FILE"], "a", encoding="utf-8") as sink:
+    with open(effects_path(), "a", encoding="utf-8") as sink:
         sink.write(f"{tool} {ctx.key.session_id} {ctx.key.turn_id} {ctx.key.call_id} {ctx.attempt}\n")
         sink.flush()
         os.fsync(sink.fileno())
@@ -44,3 +58,33 @@ async def lookup(order_id: str, ctx: ToolContext) -> str:
     """Look an order up."""
     _effect("lookup", ctx)
     return f"order {order_id}: shipped"
+
+
+@registry.tool(name="record_refund", effect="transactional")
+async def record_refund(cents: int, ctx: ToolContext) -> str:
+    """Record a refund: the row and the result commit together."""
+    await ctx.db.execute(refunds.insert().values(call_id=ctx.key.call_id))
+    crash_point(CP_INSIDE_HANDLER)
+    return f"refunded {cents}"
+
+
+def _shipped(ctx: ToolContext) -> Verification:
+    """Ask "downstream" (the effects file) whether this call's shipment happened."""
+    try:
+        with open(effects_path(), encoding="utf-8") as source:
+            lines = source.read().splitlines()
+    except FileNotFoundError:
+        return Verification.not_executed()
+    if any(
+        line.startswith(f"ship {ctx.key.session_id} {ctx.key.turn_id} {ctx.key.call_id} ") for line in lines
+    ):
+        return Verification.executed("shipped (verified)")
+    return Verification.not_executed()
+
+
+@registry.tool(name="ship", effect="verified", verify=_shipped)
+def ship(parcel: str, ctx: ToolContext) -> str:
+    """Ship a parcel: verified downstream after a crash."""
+    _effect("ship", ctx)
+    crash_point(CP_INSIDE_HANDLER)
+    return f"shipped {parcel}"

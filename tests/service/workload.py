@@ -34,6 +34,17 @@ def shop_script(pause_ms: int = 0) -> Script:
 CALLS_PER_SESSION = 5
 
 
+def every_class_script() -> Script:
+    """One call of each effect class, in two parallel steps."""
+    return Script.of_calls(
+        [("charge", {"amount": 10}), ("notify", {"message": "paid"}), ("lookup", {"order_id": "A1"})],
+        [("record_refund", {"cents": 5}), ("ship", {"parcel": "P1"})],
+    )
+
+
+EVERY_CLASS_CALLS = 5
+
+
 async def start_sessions(
     emulator: EmulatorServer, count: int, script: Script | None = None, **metadata: str
 ) -> list[str]:
