@@ -73,3 +73,12 @@ def database_url(request: pytest.FixtureRequest) -> str:
     fixture = "sqlite_url" if request.param == "sqlite" else "postgres_url"
     url: str = request.getfixturevalue(fixture)
     return url
+
+
+@pytest.fixture
+def effects_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the service tests' tools record their side effects (inherited by `serve`
+    subprocesses)."""
+    path = tmp_path / "effects.log"
+    monkeypatch.setenv("SERVICE_EFFECTS_FILE", str(path))
+    return path

@@ -67,3 +67,9 @@ class StreamInterruptedError(ToolLedgerError):
     """A session's event stream failed or ended; the follower reconnects after a pause."""
 
     code = "stream_interrupted"
+
+
+class AgentsUnavailableError(ToolLedgerError):
+    """The Agents API could not be reached or answered 5xx/429: try again later."""
+
+    code = "agents_unavailable"

@@ -44,6 +44,13 @@ class Settings(BaseSettings):
         description="A call still listed this long after its result was accepted is submitted "
         "again (same bytes, same Idempotency-Key); sooner, the listing is taken as stale.",
     )
+    database_retry_seconds: float = Field(
+        default=120.0,
+        ge=0,
+        description="How long a handler's outcome, once it exists, is retried into a database "
+        "that is restarting or unreachable before it is given up (the call then becomes "
+        "`unknown` when its lease expires).",
+    )
     max_concurrent_calls: int = Field(
         default=64, ge=1, description="Handlers one `serve` process runs at once (over all sessions)."
     )

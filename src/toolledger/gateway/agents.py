@@ -18,7 +18,12 @@ from openai.types.beta.agent_session_input_param import SessionInputParamAgentSe
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from toolledger import crashpoints
-from toolledger.errors import SessionGoneError, StreamInterruptedError, SubmissionError
+from toolledger.errors import (
+    AgentsUnavailableError,
+    SessionGoneError,
+    StreamInterruptedError,
+    SubmissionError,
+)
 from toolledger.gateway.classify import Failure, classify, describe, retry_after_seconds
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
@@ -122,6 +127,10 @@ class AgentsGateway:
             return await self.client.beta.agents.sessions.retrieve(session_id)
         except openai.NotFoundError as error:
             raise SessionGoneError(f"session {session_id} not found") from error
+        except openai.OpenAIError as error:
+            if classify(error) is Failure.RETRYABLE:
+                raise AgentsUnavailableError(describe(error)) from error
+            raise
 
     async def pending_function_calls(self, session_id: str) -> list[FunctionCallAction]:
         session = await self.retrieve(session_id)

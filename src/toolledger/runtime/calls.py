@@ -13,6 +13,7 @@ from typing import Any
 
 from toolledger.domain.keys import CallKey
 from toolledger.runtime.executor import Executor, HandleReport
+from toolledger.runtime.failures import log_failure
 
 log = logging.getLogger("toolledger.calls")
 
@@ -63,7 +64,7 @@ class CallRunner:
             except Exception:
                 # Most likely the database or the API is away. The ledger holds how far the
                 # call got; the reconciler picks it up from there.
-                log.exception("handling call %s stopped", key)
+                log_failure(log, "handling call %s stopped", key)
                 return HandleReport(key, "error", None)
 
     async def drain(self, grace: float) -> int:

@@ -20,7 +20,15 @@ from enum import StrEnum
 from typing import Any
 
 import pydantic
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from toolledger.crashpoints import (
     CP_AFTER_CLAIM_COMMIT,
@@ -54,6 +62,7 @@ from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
+from toolledger.store.engine import is_transient
 from toolledger.store.ledger import LedgerStore
 
 log = logging.getLogger("toolledger.executor")
@@ -174,7 +183,9 @@ class Executor:
             log.warning("submitting %s failed (%s); left for the reconciler", call.key, error)
             return SubmitOutcome.FAILED
         crash_point(CP_AFTER_SUBMIT_RESPONSE)
-        await self.store.mark_submitted(call.key)
+        async for attempt in self._database_retrying():
+            with attempt:
+                await self.store.mark_submitted(call.key)
         return SubmitOutcome.SUBMITTED
 
     # ------------------------------------------------------------ existing calls
@@ -317,7 +328,40 @@ class Executor:
             with suppress(asyncio.CancelledError):
                 await heartbeat
         crash_point(CP_AFTER_HANDLER)
-        return await self.store.complete(call.key, token, outcome)
+        return await self._store_outcome(call.key, token, outcome)
+
+    async def _store_outcome(self, key: CallKey, token: int, outcome: Outcome) -> CallRecord:
+        """Commit point 2, for an outcome that exists only in this process: a database away
+        for a moment (a restart, a lock) must not turn it into an unknown."""
+        ambiguous = False
+        async for attempt in self._database_retrying():
+            with attempt:
+                try:
+                    return await self.store.complete(key, token, outcome)
+                except FencedError:
+                    if ambiguous:
+                        # The earlier try may have committed before its connection broke.
+                        current = await self.store.get(key)
+                        if (
+                            current is not None
+                            and current.status in RESULT_STATUSES
+                            and (current.lease_token == token)
+                        ):
+                            return current
+                    raise
+                except Exception as error:
+                    ambiguous = ambiguous or is_transient(error)
+                    raise
+        raise AssertionError("unreachable: the retry policy re-raises")
+
+    def _database_retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            retry=retry_if_exception(is_transient),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_delay(self.settings.database_retry_seconds),
+            before_sleep=_log_database_retry,
+            reraise=True,
+        )
 
     async def _run_transactional(
         self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any]
@@ -433,6 +477,11 @@ class Executor:
                 {"session_id": call.key.session_id, "turn_id": call.key.turn_id, "call_id": call.key.call_id},
             ),
         )
+
+
+def _log_database_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    log.warning("database unavailable (%s); retrying attempt %d", type(error).__name__, state.attempt_number)
 
 
 class _HandlerTimeout(Exception):

@@ -29,6 +29,7 @@ from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import SessionGoneError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.runtime.executor import Executor, HandleReport, SubmitOutcome
+from toolledger.runtime.failures import log_failure
 from toolledger.store.sessions import SessionStore
 
 log = logging.getLogger("toolledger.reconciler")
@@ -143,7 +144,7 @@ class Reconciler:
                     reconciled = await self.reconcile_session(session_id)
                     summary.add(reconciled)
                 except Exception:
-                    log.exception("reconciling session %s failed", session_id)
+                    log_failure(log, "reconciling session %s failed", session_id)
                     summary.errors += 1
             if progress is not None:
                 progress(reconciled)

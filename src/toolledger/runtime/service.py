@@ -32,6 +32,7 @@ from toolledger.errors import SessionGoneError, StreamInterruptedError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.ledger import ToolLedger
 from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.failures import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
@@ -150,7 +151,7 @@ class Service:
                     await self._sessions.release(self.replica_id)
                     await self._sessions.remove_replica(self.replica_id)
                 except Exception:
-                    log.exception("shutdown: could not release session leases; they expire on their own")
+                    log_failure(log, "shutdown: could not release session leases; they expire on their own")
         finally:
             await self.ledger.close()
             self._lock.release()
@@ -222,7 +223,7 @@ class Service:
                 if woken or due or await self.sessions.has_unowned():
                     await self._balance()
             except Exception:
-                log.exception("renewing session leases failed; retrying")
+                log_failure(log, "renewing session leases failed; retrying")
                 if time.monotonic() - self._last_renewal > self.settings.session_lease_seconds:
                     # Our leases have run out: another replica may follow these sessions now.
                     for session_id in list(self._followers):
@@ -291,7 +292,7 @@ class Service:
             except StreamInterruptedError as error:
                 log.info("session %s: event stream interrupted (%s); reconnecting", session_id, error)
             except Exception:
-                log.exception("session %s: following failed; reconnecting", session_id)
+                log_failure(log, "session %s: following failed; reconnecting", session_id)
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not secrecy
             delay = min(delay * 2, self.settings.stream_backoff_max_seconds)
 
@@ -341,7 +342,7 @@ class Service:
                         await runner.settle(session_id)
                         await self._reconcile(session_id)
                     except Exception:
-                        log.exception("session %s: reconcile failed", session_id)
+                        log_failure(log, "session %s: reconcile failed", session_id)
                     if session_id not in self._again:
                         return
             finally:
@@ -362,7 +363,7 @@ class Service:
                 for session_id in list(self._followers):
                     self._request_reconcile(session_id)
             except Exception:
-                log.exception("periodic reconcile failed; retrying")
+                log_failure(log, "periodic reconcile failed; retrying")
 
     async def _discovery_loop(self) -> None:
         metadata = self.settings.discover_metadata
@@ -374,7 +375,7 @@ class Service:
                 if await self.sessions.watch_new(candidates):
                     self._wake_leases.set()
             except Exception:
-                log.exception("discovering sessions by metadata %s failed; retrying", metadata)
+                log_failure(log, "discovering sessions by metadata %s failed; retrying", metadata)
             await asyncio.sleep(self.settings.discover_interval_seconds)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, event
+from sqlalchemy import DateTime, event, exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
@@ -26,6 +26,14 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     options.setdefault("pool_size", 10)
     options.setdefault("max_overflow", 20)
     return create_async_engine(url, **options)
+
+
+def is_transient(error: BaseException) -> bool:
+    """The database is away for a moment (restarting, unreachable, SQLite locked too long):
+    the same statement may succeed if tried again."""
+    if isinstance(error, (exc.OperationalError, exc.InterfaceError)):
+        return True
+    return isinstance(error, exc.DBAPIError) and error.connection_invalidated
 
 
 def sync_url(url: str) -> str:

@@ -1,0 +1,154 @@
+"""What must hold once a service run is over, however it was interrupted: read from the
+emulator's record of tool results, the tools' effects file, the transactional tool's table
+and the ledger's audit trail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from openai import AsyncOpenAI
+from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
+
+from tests.service.tools import refunds
+from tests.service.workload import AT_MOST_ONCE_TOOLS, EVERY_CLASS_CALLS, read_effects
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord
+from toolledger.domain.states import CallStatus
+from toolledger.emulator import EmulatorServer
+from toolledger.store.engine import create_engine
+from toolledger.store.ledger import LedgerStore
+
+FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
+
+
+async def ledger_calls(database_url: str, session_ids: list[str]) -> dict[CallKey, CallRecord]:
+    engine = create_engine(database_url)
+    try:
+        store = LedgerStore(engine, actor="test")
+        return {c.key: c for s in session_ids for c in await store.for_session(s)}
+    finally:
+        await engine.dispose()
+
+
+async def wait_quiescent(
+    emulator: EmulatorServer, database_url: str, session_ids: list[str], within: float = 40.0
+) -> dict[str, str]:
+    """Every session is idle, or waits only on calls the ledger holds as `unknown` (an
+    at_most_once call cut off mid-run: an operator's to settle). Returns session -> state."""
+    deadline = time.monotonic() + within
+    async with AsyncOpenAI(base_url=emulator.base_url, api_key="sk-test") as client:
+        while True:
+            states: dict[str, str] = {}
+            sessions = await asyncio.gather(*(client.beta.agents.sessions.retrieve(s) for s in session_ids))
+            calls = await ledger_calls(database_url, session_ids)
+            for session in sessions:
+                if session.status == "idle":
+                    # ... and the service wrote down what the API accepted.
+                    mine = [c for k, c in calls.items() if k.session_id == session.id]
+                    if all(c.status is CallStatus.SUBMITTED for c in mine):
+                        states[session.id] = "idle"
+                    continue
+                listed = [
+                    CallKey(session.id, a.turn_id, a.call_id)
+                    for a in session.required_actions
+                    if isinstance(a, FunctionCallAction)
+                ]
+                stuck = [k for k in listed if k in calls and calls[k].status is CallStatus.UNKNOWN]
+                others = [k for k in listed if k not in stuck]
+                if session.status == "requires_action" and stuck and not others:
+                    states[session.id] = "waiting_for_operator"
+            if len(states) == len(session_ids):
+                return states
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not quiescent: {sorted(set(session_ids) - set(states))}")
+            await asyncio.sleep(0.2)
+
+
+async def create_refunds_table(database_url: str) -> None:
+    engine = create_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(refunds.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def refund_rows(database_url: str) -> Counter[str]:
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            return Counter(row.call_id for row in await conn.execute(refunds.select()))
+    finally:
+        await engine.dispose()
+
+
+async def assert_history(
+    emulator: EmulatorServer,
+    database_url: str,
+    session_ids: list[str],
+    states: dict[str, str],
+    effects_file: Path,
+) -> dict[str, int]:
+    """Per call: answered exactly once with one unchanging payload, or `unknown` (at_most_once
+    only, never answered); at_most_once and verified handlers ran at most / exactly once;
+    transactional rows exactly once; every audit trail complete and ordered. Returns figures."""
+    calls = await ledger_calls(database_url, session_ids)
+    effects = [e for e in read_effects(effects_file) if e.session_id in session_ids]
+    runs = Counter(CallKey(e.session_id, e.turn_id, e.call_id) for e in effects)
+    received = [r for r in emulator.control.tool_results() if r.session_id in session_ids]
+    accepted = Counter(
+        CallKey(r.session_id, r.turn_id, r.call_id) for r in received if r.outcome == "accepted"
+    )
+
+    assert all(n == 1 for n in accepted.values()), f"answered twice: {accepted}"
+    waiting = {s for s, state in states.items() if state != "idle"}
+    assert len(calls) == len(session_ids) * EVERY_CLASS_CALLS or waiting, "every call was recorded"
+    payloads: dict[CallKey, set[str]] = {}
+    for r in received:
+        payloads.setdefault(CallKey(r.session_id, r.turn_id, r.call_id), set()).add(
+            json.dumps(r.payload, sort_keys=True)
+        )
+    assert all(len(p) == 1 for p in payloads.values()), "a result changed between submissions"
+    rows = await refund_rows(database_url)
+    for key, call in calls.items():
+        if call.tool_name in AT_MOST_ONCE_TOOLS:
+            assert runs[key] <= 1, f"{key} ({call.tool_name}) ran {runs[key]} times"
+        if call.tool_name == "ship":
+            assert runs[key] == 1, f"verified {key} ran {runs[key]} times: the hook must settle it"
+        if call.tool_name == "record_refund":
+            assert rows[key.call_id] == 1, f"transactional {key}: {rows[key.call_id]} rows"
+        if call.status is CallStatus.UNKNOWN:
+            assert call.tool_name in AT_MOST_ONCE_TOOLS, f"{key}: only at_most_once calls may stay unknown"
+            assert accepted[key] == 0
+        else:
+            assert call.status is CallStatus.SUBMITTED, f"{key} ended {call.status}"
+            assert accepted[key] == 1, f"{key} not answered"
+            ran = rows[key.call_id] if call.tool_name == "record_refund" else runs[key]
+            assert ran >= 1, f"{key} answered without running"
+    assert waiting <= {k.session_id for k, c in calls.items() if c.status is CallStatus.UNKNOWN}
+    # The audit trail of every call starts with its recording and is ordered.
+    engine = create_engine(database_url)
+    try:
+        store = LedgerStore(engine, actor="test")
+        for key in calls:
+            trail = await store.events(key)
+            assert trail[0].reason == "recorded and claimed"
+            assert [e.id for e in trail] == sorted(e.id for e in trail)
+            if calls[key].status is CallStatus.UNKNOWN:
+                # Cut off by the kill: its lease ran out, nobody guessed its outcome.
+                assert any(e.to_status == "unknown" and "expired" in (e.reason or "") for e in trail)
+    finally:
+        await engine.dispose()
+    unknown = sum(c.status is CallStatus.UNKNOWN for c in calls.values())
+    return {
+        "calls": len(calls),
+        "answered": len(accepted),
+        "unknown": unknown,
+        "at_most_once_duplicates": 0,
+        "lost": 0,
+        "effects": len(effects),
+    }
