@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
@@ -30,7 +31,9 @@ def effects_path() -> str:
 
 def _effect(tool: str, ctx: ToolContext) -> None:
     with open(effects_path(), "a", encoding="utf-8") as sink:
-        sink.write(f"{tool} {ctx.key.session_id} {ctx.key.turn_id} {ctx.key.call_id} {ctx.attempt}\n")
+        sink.write(
+            f"{tool} {ctx.key.session_id} {ctx.key.turn_id} {ctx.key.call_id} {ctx.attempt} {os.getpid()}\n"
+        )
         sink.flush()
         os.fsync(sink.fileno())
 
@@ -88,3 +91,19 @@ def ship(parcel: str, ctx: ToolContext) -> str:
     _effect("ship", ctx)
     crash_point(CP_INSIDE_HANDLER)
     return f"shipped {parcel}"
+
+
+@registry.tool(name="explode", effect="idempotent")
+def explode(ctx: ToolContext) -> str:
+    """A poison call: it takes its process down every time."""
+    _effect("explode", ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
+
+
+@registry.tool(name="explode_once")
+def explode_once(ctx: ToolContext) -> str:
+    """A poison call of an at_most_once tool."""
+    _effect("explode_once", ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"

@@ -85,6 +85,7 @@ class Effect:
     turn_id: str
     call_id: str
     attempt: int
+    pid: int
 
 
 def read_effects(path: Path) -> list[Effect]:
@@ -92,8 +93,8 @@ def read_effects(path: Path) -> list[Effect]:
         return []
     effects = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        tool, session_id, turn_id, call_id, attempt = line.split()
-        effects.append(Effect(tool, session_id, turn_id, call_id, int(attempt)))
+        tool, session_id, turn_id, call_id, attempt, pid = line.split()
+        effects.append(Effect(tool, session_id, turn_id, call_id, int(attempt), int(pid)))
     return effects
 
 

@@ -1,0 +1,130 @@
+"""Calls that take their process down every time end after a bounded number of attempts
+instead of crash-looping the service; a replica paused past its leases (SIGSTOP) and then
+resumed (SIGCONT) is fenced out: its late result is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+from tests.service.history import ledger_calls
+from tests.service.serve_process import ServeProcess, run_cli
+from tests.service.workload import read_effects, start_sessions, wait_until_idle
+from toolledger.domain.results import POISON_MESSAGE
+from toolledger.domain.states import CallStatus
+from toolledger.emulator import EmulatorServer, Script
+from toolledger.settings import Settings
+
+MAX_RESTARTS = 8
+
+
+async def test_serve__poison_call_of_idempotent_tool__given_up_after_max_attempts(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+) -> None:
+    [session_id] = await start_sessions(emulator, 1, Script.of_calls([("explode", {})]))
+    assert run_cli("sessions", "watch", session_id, database_url=sqlite_url).returncode == 0
+    max_attempts = Settings().max_attempts
+
+    kills = 0
+    for restart in range(MAX_RESTARTS):  # a supervisor restarting the service after each crash
+        with ServeProcess(sqlite_url, emulator.base_url, tmp_path / f"serve-{restart}.log") as serve:
+            code = await asyncio.to_thread(_exit_or_quiet, serve, 8.0)
+        if code == -signal.SIGKILL:
+            kills += 1
+            continue
+        break
+
+    assert kills == max_attempts, f"{kills} crashes; the call must be given up after {max_attempts}"
+    await wait_until_idle(emulator, [session_id])
+    [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+    assert call.status is CallStatus.SUBMITTED
+    [[payload]] = emulator.control.accepted_results(session_id).values()
+    assert payload["success"] is False
+    assert payload["error"] == POISON_MESSAGE
+    assert len(read_effects(effects_file)) == max_attempts
+
+
+async def test_serve__poison_call_of_at_most_once_tool__crashes_once_then_waits_for_an_operator(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+) -> None:
+    [session_id] = await start_sessions(emulator, 1, Script.of_calls([("explode_once", {})]))
+    assert run_cli("sessions", "watch", session_id, database_url=sqlite_url).returncode == 0
+
+    with ServeProcess(sqlite_url, emulator.base_url, tmp_path / "serve-1.log") as first:
+        assert await asyncio.to_thread(first.wait_exit, 30.0) == -signal.SIGKILL
+    with ServeProcess(sqlite_url, emulator.base_url, tmp_path / "serve-2.log") as second:
+        await asyncio.to_thread(second.wait_serving)
+
+        async def unknown() -> bool:
+            [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+            return call.status is CallStatus.UNKNOWN
+
+        async with asyncio.timeout(15):
+            while not await unknown():  # noqa: ASYNC110 - polling another process's database
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)  # a couple of reconcile passes
+        assert second.process.poll() is None, "the service must not crash-loop"
+
+    assert len(read_effects(effects_file)) == 1
+    assert not emulator.control.accepted_results(session_id)
+
+
+def _exit_or_quiet(serve: ServeProcess, quiet_after: float) -> int | None:
+    """The exit code if the process dies within ``quiet_after`` seconds of serving, else None."""
+    deadline = time.monotonic() + 30.0
+    while "serving:" not in serve.log():
+        if serve.process.poll() is not None:
+            return serve.process.returncode
+        if time.monotonic() > deadline:
+            raise TimeoutError(serve.log())
+        time.sleep(0.05)
+    try:
+        return serve.process.wait(timeout=quiet_after)
+    except Exception:
+        return None
+
+
+async def test_serve__replica_paused_past_its_leases__is_fenced_out_when_resumed(
+    postgres_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+) -> None:
+    [session_id] = await start_sessions(
+        emulator, 1, Script.of_calls([("notify", {"message": "slow", "pause_ms": 2500})])
+    )
+    assert run_cli("sessions", "watch", session_id, database_url=postgres_url).returncode == 0
+
+    with (
+        ServeProcess(postgres_url, emulator.base_url, tmp_path / "paused.log") as paused,
+        ServeProcess(postgres_url, emulator.base_url, tmp_path / "healthy.log") as healthy,
+    ):
+        await asyncio.to_thread(paused.wait_serving)
+        await _until(lambda: len(read_effects(effects_file)) == 1)
+        [first_run] = read_effects(effects_file)
+        stopped, other = (paused, healthy) if first_run.pid == paused.pid else (healthy, paused)
+        await asyncio.to_thread(other.wait_serving)
+        stopped.process.send_signal(signal.SIGSTOP)
+        try:
+            # Session lease (2 s) and call lease (1 s) run out; the other replica takes over,
+            # finds the call's outcome unknown and, the tool being idempotent, runs it again.
+            await wait_until_idle(emulator, [session_id], within=30.0)
+        finally:
+            stopped.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(3.5)  # the resumed replica's handler finishes and tries to store its result
+        assert stopped.process.poll() is None
+
+    runs = read_effects(effects_file)
+    assert [r.pid for r in runs] == [stopped.pid, other.pid], "run again by the replica that took over"
+    results = emulator.control.tool_results(session_id)
+    assert [r.outcome for r in results] == ["accepted"], "the paused replica's result never went out"
+    [call] = (await ledger_calls(postgres_url, [session_id])).values()
+    assert call.status is CallStatus.SUBMITTED
+    assert call.attempt_count == 2
+    assert "fenced" in stopped.log() or "lease lost" in stopped.log()
+
+
+async def _until(predicate: object, within: float = 20.0) -> None:
+    assert callable(predicate)
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - polling a file another process writes
+            await asyncio.sleep(0.05)
