@@ -72,7 +72,15 @@ class ToolLedger:
                 "the ledger database is not at the current schema revision: run `toolledger migrate`"
             )
         if self._engine is None:
-            self._engine = create_engine(url)
+            options = (
+                {}
+                if self.engine_is_sqlite
+                else {
+                    "pool_size": self.settings.database_pool_size,
+                    "max_overflow": self.settings.database_max_overflow,
+                }
+            )
+            self._engine = create_engine(url, **options)
         if self._gateway is None:
             key = self.settings.openai_api_key
             self._gateway = AgentsGateway.connect(

@@ -44,6 +44,15 @@ class Settings(BaseSettings):
         description="A call still listed this long after its result was accepted is submitted "
         "again (same bytes, same Idempotency-Key); sooner, the listing is taken as stale.",
     )
+    database_pool_size: int = Field(
+        default=5, ge=1, description="PostgreSQL connections a process keeps open."
+    )
+    database_max_overflow: int = Field(
+        default=5,
+        ge=0,
+        description="Extra PostgreSQL connections a process may open at busy moments (a replica "
+        "uses at most pool size + overflow; PostgreSQL's default limit is 100 for everyone).",
+    )
     database_retry_seconds: float = Field(
         default=120.0,
         ge=0,

@@ -23,8 +23,9 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     options.setdefault("pool_pre_ping", True)
-    options.setdefault("pool_size", 10)
-    options.setdefault("max_overflow", 20)
+    # Small by default: PostgreSQL allows 100 connections, shared by every replica and tool.
+    options.setdefault("pool_size", 5)
+    options.setdefault("max_overflow", 5)
     return create_async_engine(url, **options)
 
 
