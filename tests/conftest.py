@@ -11,6 +11,11 @@ from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--trials", type=int, default=50, help="Trials of the chaos run (-m chaos).")
+    parser.addoption("--chaos-report", default=None, help="Write the chaos run's figures to this JSON file.")
+
+
 @pytest.fixture(scope="session")
 def emulator_server() -> Iterator[EmulatorServer]:
     with EmulatorServer() as server:

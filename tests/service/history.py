@@ -104,6 +104,8 @@ async def assert_history(
         CallKey(r.session_id, r.turn_id, r.call_id) for r in received if r.outcome == "accepted"
     )
 
+    duplicates = sum(1 for k, c in calls.items() if c.tool_name in AT_MOST_ONCE_TOOLS and runs[k] > 1)
+    assert duplicates == 0, "an at_most_once handler ran twice"
     assert all(n == 1 for n in accepted.values()), f"answered twice: {accepted}"
     waiting = {s for s, state in states.items() if state != "idle"}
     assert len(calls) == len(session_ids) * EVERY_CLASS_CALLS or waiting, "every call was recorded"
@@ -148,7 +150,7 @@ async def assert_history(
         "calls": len(calls),
         "answered": len(accepted),
         "unknown": unknown,
-        "at_most_once_duplicates": 0,
-        "lost": 0,
+        "at_most_once_duplicates": duplicates,
+        "lost": len(calls) - len(accepted) - unknown,
         "effects": len(effects),
     }

@@ -1,0 +1,112 @@
+"""Random kills of `toolledger serve` under load, checked as one history at the end.
+
+Each trial starts new sessions (every effect class, with think time), starts `serve`, and
+kills it: half the trials by SIGKILL from outside at a random moment, half at a random
+crash point inside. A last `serve` then runs to quiescence and the whole history is checked:
+every call answered exactly once with one unchanging payload, or `unknown` (at_most_once
+only, never answered); no at_most_once or verified handler ran twice; transactional rows
+exactly once; audit trails complete and ordered.
+
+CI runs a few trials; the long run is by hand:
+
+    .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json -p no:timeout
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.service.history import assert_history, create_refunds_table, wait_quiescent
+from tests.service.serve_process import ServeProcess
+from tests.service.workload import every_class_script, start_sessions
+from toolledger import crashpoints as cp
+from toolledger.emulator import EmulatorServer
+from toolledger.store.engine import create_engine
+from toolledger.store.sessions import SessionStore
+
+SESSIONS_PER_TRIAL = 2
+INSIDE_POINTS = sorted(cp.ALL_POINTS - {cp.CP_DURING_RECOVERY})
+
+
+async def run_trials(
+    trials: int, seed: int, database_url: str, emulator: EmulatorServer, effects_file: Path, logs: Path
+) -> dict[str, Any]:
+    chance = random.Random(seed)
+    await create_refunds_table(database_url)
+    started = time.monotonic()
+    session_ids: list[str] = []
+    kills = crash_points = 0
+    engine = create_engine(database_url)
+    try:
+        sessions = SessionStore(engine)
+        for trial in range(trials):
+            script = every_class_script().model_copy(update={"think_seconds": 0.1})
+            fresh = await start_sessions(emulator, SESSIONS_PER_TRIAL, script)
+            for session_id in fresh:
+                await sessions.watch(session_id)
+            session_ids += fresh
+            inside = chance.random() < 0.5
+            crash_at = f"{chance.choice(INSIDE_POINTS)}@{chance.randint(1, 4)}" if inside else None
+            with ServeProcess(
+                database_url, emulator.base_url, logs / f"trial-{trial}.log", crash_at=crash_at
+            ) as serve:
+                await asyncio.to_thread(serve.wait_serving)
+                with suppress(subprocess.TimeoutExpired):  # still running: killed from outside below
+                    await asyncio.to_thread(serve.process.wait, chance.uniform(0.1, 1.5))
+                if serve.process.poll() is None:
+                    serve.kill()
+                    kills += 1
+                elif serve.process.returncode == -signal.SIGKILL:
+                    crash_points += 1
+                    kills += 1
+        with ServeProcess(database_url, emulator.base_url, logs / "final.log") as final:
+            await asyncio.to_thread(final.wait_serving)
+            states = await wait_quiescent(emulator, database_url, session_ids, within=120.0 + trials)
+    finally:
+        await engine.dispose()
+    figures = await assert_history(emulator, database_url, session_ids, states, effects_file)
+    return {
+        "trials": trials,
+        "seed": seed,
+        "kills": kills,
+        "kills_at_crash_points": crash_points,
+        "sessions": len(session_ids),
+        **figures,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+async def test_chaos__a_few_random_kills__history_holds(
+    postgres_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+) -> None:
+    figures = await run_trials(4, 7, postgres_url, emulator, effects_file, tmp_path)
+    assert figures["kills"] >= 1
+    assert figures["lost"] == 0
+    assert figures["at_most_once_duplicates"] == 0
+
+
+@pytest.mark.chaos
+async def test_chaos__many_random_kills__history_holds(
+    postgres_url: str,
+    emulator: EmulatorServer,
+    effects_file: Path,
+    tmp_path: Path,
+    pytestconfig: pytest.Config,
+) -> None:
+    trials: int = pytestconfig.getoption("--trials")
+    seed = random.SystemRandom().randint(0, 2**31)
+    figures = await run_trials(trials, seed, postgres_url, emulator, effects_file, tmp_path)
+    print("chaos figures:", json.dumps(figures))
+    report = pytestconfig.getoption("--chaos-report")
+    if report:
+        await asyncio.to_thread(Path(report).write_text, json.dumps(figures, indent=2) + "\n", "utf-8")
