@@ -9,7 +9,7 @@ exactly once; audit trails complete and ordered.
 
 CI runs a few trials; the long run is by hand:
 
-    .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json -p no:timeout
+    .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json --timeout 0 -s
 """
 
 from __future__ import annotations

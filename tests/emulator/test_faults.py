@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -306,3 +307,20 @@ def test_cancel_turn__ends_the_turn_as_cancelled(client: OpenAI, emulator: Emula
     assert cancelled.turn.status == "cancelled"
     assert idle.type == "agent.session.idle"
     assert idle.session.required_actions == []
+
+
+def test_client_killed_mid_request__emulator_stays_quiet_and_serves_on(
+    client: OpenAI, emulator: EmulatorServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    host, port = emulator.base_url.split("//")[1].split("/")[0].split(":")
+    caplog.set_level("ERROR")
+    with socket.create_connection((host, int(port))) as half_sent:
+        half_sent.sendall(
+            b"POST /v1/agents/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"environment":'
+        )
+        time.sleep(0.2)
+    time.sleep(0.3)
+
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], "a dead client is not an error"
+    assert new_session(client)

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from toolledger.emulator import wire
 from toolledger.emulator.asgi import DroppedResponse, EventStreamResponse
@@ -93,6 +94,11 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
             wire.error_body(str(error.detail), error_type="invalid_request_error", code=None),
             status_code=error.status_code,
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_request: Request, _error: ClientDisconnect) -> Response:
+        # The client died mid-request (a killed worker): nobody reads an answer, nothing applied.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, error: Exception) -> JSONResponse:
