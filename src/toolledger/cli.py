@@ -115,7 +115,7 @@ def _configure_logging(level: str) -> None:
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     # One line per HTTP request drowns everything else out.
-    for noisy in ("httpx", "httpx2", "openai"):
+    for noisy in ("httpx", "httpx2", "openai", "alembic"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 

@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.service.history import ledger_calls
 from tests.service.serve_process import ServeProcess, run_cli
 from tests.service.workload import read_effects, start_sessions, wait_until_idle
@@ -86,41 +88,73 @@ def _exit_or_quiet(serve: ServeProcess, quiet_after: float) -> int | None:
         return None
 
 
+@pytest.mark.parametrize(
+    ("tool", "arguments"),
+    [
+        pytest.param("notify", {"message": "slow", "pause_ms": 2500}, id="idempotent"),
+        pytest.param("charge", {"amount": 1, "pause_ms": 2500}, id="at_most_once"),
+    ],
+)
 async def test_serve__replica_paused_past_its_leases__is_fenced_out_when_resumed(
-    postgres_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+    tool: str,
+    arguments: dict[str, object],
+    postgres_url: str,
+    emulator: EmulatorServer,
+    effects_file: Path,
+    tmp_path: Path,
 ) -> None:
-    [session_id] = await start_sessions(
-        emulator, 1, Script.of_calls([("notify", {"message": "slow", "pause_ms": 2500})])
-    )
+    [session_id] = await start_sessions(emulator, 1, Script.of_calls([(tool, arguments)]))
     assert run_cli("sessions", "watch", session_id, database_url=postgres_url).returncode == 0
 
     with (
-        ServeProcess(postgres_url, emulator.base_url, tmp_path / "paused.log") as paused,
-        ServeProcess(postgres_url, emulator.base_url, tmp_path / "healthy.log") as healthy,
+        ServeProcess(postgres_url, emulator.base_url, tmp_path / "first.log") as first,
+        ServeProcess(postgres_url, emulator.base_url, tmp_path / "second.log") as second,
     ):
-        await asyncio.to_thread(paused.wait_serving)
+        await asyncio.to_thread(first.wait_serving)
         await _until(lambda: len(read_effects(effects_file)) == 1)
         [first_run] = read_effects(effects_file)
-        stopped, other = (paused, healthy) if first_run.pid == paused.pid else (healthy, paused)
+        stopped, other = (first, second) if first_run.pid == first.pid else (second, first)
         await asyncio.to_thread(other.wait_serving)
         stopped.process.send_signal(signal.SIGSTOP)
         try:
-            # Session lease (2 s) and call lease (1 s) run out; the other replica takes over,
-            # finds the call's outcome unknown and, the tool being idempotent, runs it again.
-            await wait_until_idle(emulator, [session_id], within=30.0)
+            # Session lease (2 s) and call lease (1 s) run out; the other replica takes the
+            # session over and finds the call's outcome unknown: an idempotent tool runs again,
+            # an at_most_once one is left for its only run (or an operator).
+            if tool == "notify":
+                await wait_until_idle(emulator, [session_id], within=30.0)
+            else:
+                await _until_status(postgres_url, session_id, CallStatus.UNKNOWN)
         finally:
             stopped.process.send_signal(signal.SIGCONT)
         await asyncio.sleep(3.5)  # the resumed replica's handler finishes and tries to store its result
         assert stopped.process.poll() is None
+        if tool == "notify":
+            assert "fenced" in stopped.log(), "the late result of the superseded run was refused"
+        else:
+            # Nobody ran it again, so the resumed run's result is the one true outcome.
+            await wait_until_idle(emulator, [session_id], within=30.0)
 
     runs = read_effects(effects_file)
-    assert [r.pid for r in runs] == [stopped.pid, other.pid], "run again by the replica that took over"
     results = emulator.control.tool_results(session_id)
-    assert [r.outcome for r in results] == ["accepted"], "the paused replica's result never went out"
     [call] = (await ledger_calls(postgres_url, [session_id])).values()
-    assert call.status is CallStatus.SUBMITTED
-    assert call.attempt_count == 2
-    assert "fenced" in stopped.log() or "lease lost" in stopped.log()
+    if tool == "notify":
+        assert [r.pid for r in runs] == [stopped.pid, other.pid], "run again by the replica that took over"
+        assert [r.outcome for r in results] == ["accepted"], "the paused replica's result never went out"
+        assert (call.status, call.attempt_count) == (CallStatus.SUBMITTED, 2)
+    else:
+        assert [r.pid for r in runs] == [stopped.pid], "an at_most_once call is never run again"
+        assert [r.outcome for r in results] == ["accepted"]
+        assert (call.status, call.attempt_count) == (CallStatus.SUBMITTED, 1)
+        assert results[0].payload["output"] == "charged 1"
+
+
+async def _until_status(database_url: str, session_id: str, status: CallStatus, within: float = 30.0) -> None:
+    async with asyncio.timeout(within):
+        while True:
+            calls = await ledger_calls(database_url, [session_id])
+            if calls and all(c.status is status for c in calls.values()):
+                return
+            await asyncio.sleep(0.1)
 
 
 async def _until(predicate: object, within: float = 20.0) -> None:

@@ -433,6 +433,22 @@ async def test_claim__from_unknown_takes_token_2_and_fences_the_first_worker(
     assert events[2].reason == "idempotent re-run"
 
 
+async def test_complete__late_result_of_an_unclaimed_unknown_call__is_the_one_true_outcome(
+    store: LedgerStore,
+) -> None:
+    """A paused worker's lease expired, but nobody ran the call again: its token is still the
+    current one, so its result settles the call instead of leaving it unknown."""
+    key = new_key()
+    await record_unknown(store, key)
+
+    done = await store.complete(key, 1, succeeded(key, "charged"))
+
+    assert (done.status, done.lease_token, done.attempt_count) == (CallStatus.SUCCEEDED, 1, 1)
+    events = await store.events(key)
+    assert shape(events)[-1] == ("transition", "unknown", "succeeded", 1)
+    assert events[-1].reason == "late result of the only run, after its lease expired"
+
+
 async def test_claim__from_a_state_not_listed_returns_none(store: LedgerStore, other: LedgerStore) -> None:
     key = new_key()
     running = await record_running(store, key)

@@ -197,30 +197,31 @@ class LedgerStore:
             "lease_expires_at": None,
             "updated_at": utc_now(),
         }
-        statement = (
-            tool_calls.update()
-            .where(
-                _where_key(key),
-                tool_calls.c.status == CallStatus.RUNNING.value,
-                tool_calls.c.lease_token == token,
+
+        def update(source: CallStatus) -> Any:
+            return (
+                tool_calls.update()
+                .where(
+                    _where_key(key),
+                    tool_calls.c.status == source.value,
+                    tool_calls.c.lease_token == token,
+                )
+                .values(**values)
+                .returning(tool_calls)
             )
-            .values(**values)
-            .returning(tool_calls)
-        )
 
         async def write(conn: AsyncConnection) -> CallRecord:
-            row = (await conn.execute(statement)).first()
+            source, reason = CallStatus.RUNNING, outcome.stage.value if outcome.stage else "handler returned"
+            row = (await conn.execute(update(source))).first()
+            if row is None:
+                # The lease expired while the handler ran (a paused or partitioned worker) but
+                # nobody claimed the call since: the token is still ours, and this is the one
+                # true outcome of the only run. Better than leaving it unknown.
+                source, reason = CallStatus.UNKNOWN, "late result of the only run, after its lease expired"
+                row = (await conn.execute(update(source))).first()
             if row is None:
                 raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
-            await self._event(
-                conn,
-                key,
-                "transition",
-                CallStatus.RUNNING,
-                target,
-                token,
-                outcome.stage.value if outcome.stage else "handler returned",
-            )
+            await self._event(conn, key, "transition", source, target, token, reason)
             return _record(row)
 
         if connection is not None:
