@@ -75,17 +75,21 @@ def emulator(host: str, port: int, api_key: str | None, script_path: Path | None
 @click.option("--downgrade", is_flag=True, help="Go down to --revision (e.g. base) instead of up.")
 def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
     """Bring the ledger's schema to a revision (idempotent; run once per release)."""
-    from toolledger.settings import Settings
+    from sqlalchemy.exc import SQLAlchemyError
+
     from toolledger.store import migrate as migrations
 
-    settings = Settings() if database_url is None else Settings(database_url=database_url)
+    settings = _settings(database_url=database_url)
     url = settings.database_url
-    before = migrations.current_revision(url)
-    if downgrade:
-        migrations.downgrade(url, revision)
-    else:
-        migrations.upgrade(url, revision)
-    after = migrations.current_revision(url)
+    try:
+        before = migrations.current_revision(url)
+        if downgrade:
+            migrations.downgrade(url, revision)
+        else:
+            migrations.upgrade(url, revision)
+        after = migrations.current_revision(url)
+    except SQLAlchemyError as error:
+        raise click.ClickException(f"cannot migrate {_masked(url)}: {_first_line(error)}") from None
     click.echo(f"ledger schema: {before or 'empty'} -> {after or 'empty'}")
 
 
@@ -499,6 +503,20 @@ async def _status(settings: Settings) -> dict[str, Any]:
     finally:
         await engine.dispose()
     return report
+
+
+def _masked(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "the database"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _aware(moment: datetime) -> datetime:

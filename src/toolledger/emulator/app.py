@@ -21,6 +21,7 @@ from toolledger.emulator.faults import FaultAdapter
 from toolledger.emulator.inputs import (
     EVENTS_BODY,
     SESSION_CREATE_BODY,
+    AgentConfig,
     check_metadata,
     describe,
 )
@@ -37,7 +38,7 @@ class SessionUpdateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metadata: dict[str, str] | None = None
-    agent: dict[str, Any] | None = None
+    agent: AgentConfig | None = None
     review: Literal["none", "auto_review"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
 
@@ -109,6 +110,11 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
         )
 
     async def read_body(request: Request) -> bytes:
+        content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        if content_type.lower() != "application/json":
+            raise EmulatorAPIError(
+                415, f"Unsupported Content-Type '{content_type}': send application/json.", code=None
+            )
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise EmulatorAPIError(
@@ -169,14 +175,16 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
     async def update_session(session_id: str, request: Request) -> JSONResponse:
         update = parse(SESSION_UPDATE_BODY, await read_body(request))
         session = emulator.session(session_id)
-        if update.metadata is not None:
+        if "metadata" in update.model_fields_set:
+            # Given as null, metadata is cleared; left out, it is kept.
+            metadata = update.metadata or {}
             try:
-                check_metadata(update.metadata)
+                check_metadata(metadata)
             except ValueError as error:
                 raise EmulatorAPIError(400, str(error), param="metadata") from None
-            session.metadata = dict(update.metadata)
+            session.metadata = dict(metadata)
         if update.agent is not None:
-            merged = {**session.agent, **update.agent}
+            merged = {**session.agent, **update.agent.settings()}
             session.agent = wire.agent(session.agent["id"], merged)
         return JSONResponse(session.json())
 

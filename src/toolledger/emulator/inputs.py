@@ -74,11 +74,35 @@ class EventsBody(_Strict):
     events: list[InputEvent] = Field(min_length=1, max_length=100)
 
 
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class AgentConfig(BaseModel):
+    """An inline agent: the settings the emulator echoes are typed; the rest is accepted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    instructions: str | None = None
+    name: str | None = None
+    reasoning: ReasoningConfig | None = None
+    service_tier: Literal["auto", "default", "flex", "priority", "fast", "ultrafast"] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """The settings given, as plain JSON (unset ones left out, so updates merge)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
 class SessionCreateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     environment: dict[str, Any]
-    agent: dict[str, Any] | None = None
+    agent: AgentConfig | None = None
     agent_id: str | None = None
     input: str | list[InputMessage] | None = None
     metadata: dict[str, str] | None = None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Generator
 from typing import Any
 
 import uvicorn
@@ -29,6 +31,16 @@ class _EmulatorServer(uvicorn.Server):
         super().__init__(config)
         self._state = state
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises SIGTERM/SIGINT after a clean shutdown (the process would then die
+        # by the signal, or click would print "Aborted!"); a finished emulator exits 0.
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Event streams never end by themselves; end them first or shutdown waits forever.
         self._state.close()
@@ -37,7 +49,9 @@ class _EmulatorServer(uvicorn.Server):
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns TCP_NODELAY on for accepted sockets only when the
+    # protocol says TCP; without it every response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

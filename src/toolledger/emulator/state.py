@@ -249,7 +249,7 @@ class EmulatorState:
 
     def create_session(self, body: SessionCreateBody) -> tuple[Session, Subscriber | None]:
         """Create a session; with ``stream`` also subscribe before its first turn starts."""
-        config = dict(body.agent or {})
+        config = body.agent.settings() if body.agent is not None else {}
         if body.agent_id is None and not config.get("model"):
             raise EmulatorAPIError(
                 400,
