@@ -314,7 +314,7 @@ def test_malformed_request__sent_raw__is_refused_with_a_4xx_error_envelope(world
 
 
 @pytest.mark.parametrize("bad", AGENT_AND_CONTENT_TYPE_CASES)
-def test_malformed_request__that_the_emulator_mishandles__is_refused_and_applies_nothing(
+def test_malformed_agent_or_content_type__is_refused_and_applies_nothing(
     client: OpenAI, emulator: EmulatorServer, bad: Bad
 ) -> None:
     session = client.beta.agents.sessions.create(environment={"type": "none"}, agent={"model": "emulated"})
