@@ -448,6 +448,9 @@ def status(as_json: bool, database_url: str | None) -> None:
             )
             calls = ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items())) or "none"
             click.echo(f"calls:      {calls}")
+            if report["unconfirmed_calls"]:
+                unconfirmed = report["unconfirmed_calls"]
+                click.echo(f"unconfirmed: {unconfirmed} call(s) accepted repeatedly but still awaited")
             oldest = report["oldest_unsubmitted_age_seconds"]
             if oldest is not None:
                 click.echo(f"oldest unsubmitted result: {oldest:.1f}s")
@@ -456,6 +459,7 @@ def status(as_json: bool, database_url: str | None) -> None:
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
+    from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER
     from toolledger.store import migrate as migrations
     from toolledger.store.engine import create_engine
     from toolledger.store.ledger import LedgerStore
@@ -496,6 +500,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         report["unowned_sessions"] = len(watched) - sum(owners.values())
         ledger = LedgerStore(engine, actor="status")
         report["calls"] = await ledger.count_by_status()
+        report["unconfirmed_calls"] = await ledger.count_unconfirmed(UNCONFIRMED_ALERT_AFTER)
         oldest = await ledger.oldest_unsubmitted()
         report["oldest_unsubmitted_age_seconds"] = (
             None if oldest is None else (now - _aware(oldest)).total_seconds()

@@ -4,6 +4,7 @@ SQLite and PostgreSQL: a multi-session workload under every fault the emulator c
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -359,3 +360,42 @@ async def test_service__approval_requests_beside_function_calls__left_alone_and_
 async def _lists_approval(client: AsyncOpenAI, session_id: str) -> bool:
     session = await client.beta.agents.sessions.retrieve(session_id)  # strict parsing of every action
     return any(action.type == "mcp_approval_request" for action in session.required_actions)
+
+
+async def test_service__accepted_but_never_applied__resubmitted_at_a_bounded_rate_and_flagged(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    """A 202 means accepted, not consumed: a call still awaited is sent again (same bytes,
+    same key), no faster than the reconcile interval, and flagged for an operator."""
+    [session_id] = await start_sessions(emulator, 1, Script.of_calls([("lookup", {"order_id": "A1"})]))
+    emulator.control.accept_without_apply(session_id=session_id)
+    interval = 0.3
+    async with running_service(
+        sqlite_url, emulator, resubmit_after_seconds=0.2, reconcile_interval_seconds=interval
+    ) as service:
+        started = asyncio.get_running_loop().time()
+        await service.watch(session_id)
+
+        async def flagged() -> bool:
+            calls = list((await ledger_calls(sqlite_url, [session_id])).values())
+            return bool(calls) and calls[0].submission_count >= 6
+
+        await wait_for(flagged, within=15.0)
+        elapsed = asyncio.get_running_loop().time() - started
+
+    [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+    assert call.status is CallStatus.SUBMITTED
+    assert call.confirmed_at is None, "never confirmed: the session still awaits it"
+    engine = create_engine(sqlite_url)
+    try:
+        trail = await LedgerStore(engine, actor="test").events(call.key)
+    finally:
+        await engine.dispose()
+    assert [e.kind for e in trail].count("unconfirmed") == 1, "one alert, not one per resubmission"
+    received = emulator.control.tool_results(session_id)
+    assert received[0].outcome == "lost"
+    assert {r.outcome for r in received[1:]} == {"replayed"}
+    assert len({r.idempotency_key for r in received}) == 1
+    assert len({json.dumps(r.payload, sort_keys=True) for r in received}) == 1
+    assert len(received) <= elapsed / interval + 3, "no tight loop"
+    assert len(read_effects(effects_file)) == 1

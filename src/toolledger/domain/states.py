@@ -22,6 +22,9 @@ class CallStatus(StrEnum):
     """No longer awaited by the session before a result was submitted."""
 
 
+UNCONFIRMED_ALERT_AFTER = 5
+"""Acceptances of a call the session still awaits after which an operator is alerted."""
+
 RESULT_STATUSES = frozenset({CallStatus.SUCCEEDED, CallStatus.FAILED})
 """A result is stored and waits to be submitted."""
 

@@ -8,6 +8,7 @@ from toolledger.emulator.app import create_app
 from toolledger.emulator.control import EmulatorControl, ReceivedToolResult
 from toolledger.emulator.faults import (
     AcceptThenDrop,
+    AcceptWithoutApply,
     CloseStreams,
     DelayRegistration,
     DropBeforeApply,
@@ -23,6 +24,7 @@ from toolledger.emulator.state import EmulatorState
 __all__ = [
     "SCRIPT_METADATA_KEY",
     "AcceptThenDrop",
+    "AcceptWithoutApply",
     "CloseStreams",
     "DelayRegistration",
     "DropBeforeApply",

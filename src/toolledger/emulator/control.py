@@ -10,6 +10,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from toolledger.emulator.faults import (
     AcceptThenDrop,
+    AcceptWithoutApply,
     CloseStreams,
     DelayRegistration,
     DropBeforeApply,
@@ -28,7 +29,8 @@ class ReceivedToolResult(BaseModel):
     turn_id: str
     call_id: str
     outcome: str
-    """``accepted``, ``replayed`` (an idempotent repeat, applied once) or ``rejected``."""
+    """``accepted``, ``replayed`` (an idempotent repeat, applied once), ``rejected``, or
+    ``lost`` (answered 202 but not applied: the accept_without_apply fault)."""
     reason: str | None
     idempotency_key: str | None
     payload: dict[str, Any]
@@ -113,6 +115,9 @@ class EmulatorControl:
 
     def accept_then_drop(self, count: int = 1, *, session_id: str | None = None) -> int:
         return self.arm(AcceptThenDrop(count=count, session_id=session_id))
+
+    def accept_without_apply(self, count: int = 1, *, session_id: str | None = None) -> int:
+        return self.arm(AcceptWithoutApply(count=count, session_id=session_id))
 
     def drop_before_apply(self, count: int = 1, *, session_id: str | None = None) -> int:
         return self.arm(DropBeforeApply(count=count, session_id=session_id))

@@ -50,6 +50,14 @@ class AcceptThenDrop(_FaultBase):
     kind: Literal["accept_then_drop"] = "accept_then_drop"
 
 
+class AcceptWithoutApply(_FaultBase):
+    """Answer the next ``count`` tool-result submissions 202 but lose them: the call stays
+    pending. The answer is kept for the Idempotency-Key, so a resubmission with the same key
+    gets the same 202 and is lost too: "accepted" is not "consumed"."""
+
+    kind: Literal["accept_without_apply"] = "accept_without_apply"
+
+
 class DropBeforeApply(_FaultBase):
     """Drop the connection of the next ``count`` tool-result submissions before applying them."""
 
@@ -83,6 +91,7 @@ Fault = Annotated[
     CloseStreams
     | FailSubmissions
     | AcceptThenDrop
+    | AcceptWithoutApply
     | DropBeforeApply
     | DelayRegistration
     | UnknownPending

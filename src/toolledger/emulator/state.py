@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from toolledger.emulator import wire
 from toolledger.emulator.faults import (
     AcceptThenDrop,
+    AcceptWithoutApply,
     ArmedFault,
     CloseStreams,
     DelayRegistration,
@@ -396,6 +397,11 @@ class EmulatorState:
         if results and self.faults.take(DropBeforeApply, session_id) is not None:
             reject("injected connection drop before applying")
             return Submission(SubmissionOutcome.DROP)
+        if results and self.faults.take(AcceptWithoutApply, session_id) is not None:
+            self._record(session_id, results, "lost", "injected: answered 202, not applied", idempotency_key)
+            if idempotency_key is not None:
+                self._idempotent[idempotency_key] = _StoredResponse(fingerprint, 202)
+            return Submission(SubmissionOutcome.ANSWER)
         if results and self.faults.take(UnknownPending, session_id) is not None:
             reject("injected pending-call race")
             raise unknown_pending_call(results[0].call_id)

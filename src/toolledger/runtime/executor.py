@@ -56,7 +56,7 @@ from toolledger.domain.results import (
     tool_error_message,
     validation_message,
 )
-from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
+from toolledger.domain.states import RESULT_STATUSES, UNCONFIRMED_ALERT_AFTER, CallStatus, EffectClass
 from toolledger.errors import FencedError, SessionGoneError, SubmissionError
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
@@ -201,7 +201,10 @@ class Executor:
                 return HandleReport(call.key, "already_submitted", call.status, True)
             # Still awaited well after an accepted submission: send the same bytes again;
             # the Idempotency-Key makes the service apply them once at most.
-            return await self._submitted_report(call, "resubmitted")
+            report = await self._submitted_report(call, "resubmitted")
+            if report.submitted:
+                await self._note_unconfirmed(call)
+            return report
         if not self.run_handlers and call.status in (
             CallStatus.PENDING,
             CallStatus.UNKNOWN,
@@ -226,6 +229,18 @@ class Executor:
         if call.status is CallStatus.UNKNOWN:
             return await self._settle_unknown(call)
         return HandleReport(call.key, "nothing_to_do", call.status)
+
+    async def _note_unconfirmed(self, call: CallRecord) -> None:
+        """Accepted again and again, yet still awaited: the service says "accepted" but does
+        not consume it. Nothing toolledger can do beyond resubmitting; an operator should know."""
+        count = await self.store.note_resubmission(call.key)
+        if count == UNCONFIRMED_ALERT_AFTER:
+            log.warning(
+                "call %s: accepted %d times but still awaited by the session (unconfirmed)", call.key, count
+            )
+            await self.store.flag(
+                call.key, "unconfirmed", f"accepted {count} times but still in required_actions"
+            )
 
     async def _settle_unknown(self, call: CallRecord) -> HandleReport:
         """An interrupted run left no result: decide by the tool's effect class, never by guessing."""

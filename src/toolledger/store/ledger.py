@@ -289,6 +289,23 @@ class LedgerStore:
             event_kind="submission",
         )
 
+    async def note_resubmission(self, key: CallKey) -> int:
+        """A submitted call still awaited was sent again and accepted again: count it (and say
+        so in the audit trail). Returns how many times the call has been submitted."""
+        async with self.engine.begin() as conn:
+            count = (
+                await conn.execute(
+                    tool_calls.update()
+                    .where(_where_key(key), tool_calls.c.status == CallStatus.SUBMITTED.value)
+                    .values(submission_count=tool_calls.c.submission_count + 1, updated_at=utc_now())
+                    .returning(tool_calls.c.submission_count)
+                )
+            ).scalar_one_or_none()
+            if count is None:
+                return 0
+            await self._event(conn, key, "resubmission", None, None, None, "accepted again; still awaited")
+            return int(count)
+
     async def record_submission_failure(self, key: CallKey, error: str) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(
@@ -408,6 +425,20 @@ class LedgerStore:
         async with self.engine.connect() as conn:
             rows = await conn.execute(select(tool_calls.c.status, func.count()).group_by(tool_calls.c.status))
             return {row[0]: row[1] for row in rows}
+
+    async def count_unconfirmed(self, min_submissions: int) -> int:
+        """Submitted calls still awaited after ``min_submissions`` acceptances."""
+        async with self.engine.connect() as conn:
+            count = (
+                await conn.execute(
+                    select(func.count()).where(
+                        tool_calls.c.status == CallStatus.SUBMITTED.value,
+                        tool_calls.c.confirmed_at.is_(None),
+                        tool_calls.c.submission_count >= min_submissions,
+                    )
+                )
+            ).scalar_one()
+            return int(count)
 
     async def oldest_unsubmitted(self) -> datetime | None:
         """When the oldest stored result still waiting to be submitted was finished."""
