@@ -92,6 +92,7 @@ async def assert_history(
     session_ids: list[str],
     states: dict[str, str],
     effects_file: Path,
+    calls_per_session: int = EVERY_CLASS_CALLS,
 ) -> dict[str, int]:
     """Per call: answered exactly once with one unchanging payload, or `unknown` (at_most_once
     only, never answered); at_most_once and verified handlers ran at most / exactly once;
@@ -108,7 +109,7 @@ async def assert_history(
     assert duplicates == 0, "an at_most_once handler ran twice"
     assert all(n == 1 for n in accepted.values()), f"answered twice: {accepted}"
     waiting = {s for s, state in states.items() if state != "idle"}
-    assert len(calls) == len(session_ids) * EVERY_CLASS_CALLS or waiting, "every call was recorded"
+    assert len(calls) == len(session_ids) * calls_per_session or waiting, "every call was recorded"
     payloads: dict[CallKey, set[str]] = {}
     for r in received:
         payloads.setdefault(CallKey(r.session_id, r.turn_id, r.call_id), set()).add(
