@@ -399,3 +399,16 @@ async def test_service__accepted_but_never_applied__resubmitted_at_a_bounded_rat
     assert len({json.dumps(r.payload, sort_keys=True) for r in received}) == 1
     assert len(received) <= elapsed / interval + 3, "no tight loop"
     assert len(read_effects(effects_file)) == 1
+
+
+def test_service_lock__on_postgresql__is_a_no_op_and_writes_no_file(tmp_path: Path) -> None:
+    from toolledger.store.exclusive import SQLiteServiceLock
+
+    first = SQLiteServiceLock("postgresql+psycopg://postgres@127.0.0.1/some_db")
+    second = SQLiteServiceLock("postgresql+psycopg://postgres@127.0.0.1/some_db")
+    first.acquire()
+    second.acquire()  # replicas share a PostgreSQL ledger: never refused
+    first.release()
+    second.release()
+    assert first.path is None
+    assert not list(Path.cwd().glob("some_db*"))

@@ -24,9 +24,12 @@ class SQLiteServiceLock:
     """
 
     def __init__(self, database_url: str) -> None:
-        database = make_url(database_url).database
+        url = make_url(database_url)
+        database = url.database
         self.database = database
-        self.path = None if not database or database == ":memory:" else Path(database + ".serve.lock")
+        # PostgreSQL shares sessions between processes through leases: nothing to lock.
+        on_file = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
+        self.path = Path(f"{database}.serve.lock") if on_file else None
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
