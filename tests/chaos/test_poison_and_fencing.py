@@ -146,7 +146,7 @@ async def test_serve__replica_paused_past_its_leases__is_fenced_out_when_resumed
     else:
         assert [r.pid for r in runs] == [stopped.pid], "an at_most_once call is never run again"
         # Both replicas may send the stored bytes (same key): one acceptance, the rest replays.
-        assert [r.outcome for r in results][0] == "accepted"
+        assert results[0].outcome == "accepted"
         assert {r.outcome for r in results[1:]} <= {"replayed"}
         assert len({json.dumps(r.payload, sort_keys=True) for r in results}) == 1
         assert (call.status, call.attempt_count) == (CallStatus.SUBMITTED, 1)
