@@ -20,16 +20,19 @@ import random
 import signal
 import subprocess
 import time
+from collections import Counter
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import pytest
+from openai import AsyncOpenAI
 
-from tests.service.history import assert_history, create_refunds_table, wait_quiescent
+from tests.service.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
 from tests.service.serve_process import ServeProcess
-from tests.service.workload import every_class_script, start_sessions
+from tests.service.workload import EVERY_CLASS_CALLS, every_class_script, start_sessions
 from toolledger import crashpoints as cp
+from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
 from toolledger.store.engine import create_engine
 from toolledger.store.sessions import SessionStore
@@ -55,6 +58,10 @@ async def run_trials(
             for session_id in fresh:
                 await sessions.watch(session_id)
             session_ids += fresh
+            if trial % 25 == 24:
+                # As an application would: stop watching sessions whose work is done, so the
+                # service follows what is live, not the whole history.
+                await unwatch_finished(emulator, database_url, sessions, session_ids)
             inside = chance.random() < 0.5
             crash_at = f"{chance.choice(INSIDE_POINTS)}@{chance.randint(1, 4)}" if inside else None
             with ServeProcess(
@@ -84,6 +91,21 @@ async def run_trials(
         **figures,
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+async def unwatch_finished(
+    emulator: EmulatorServer, database_url: str, sessions: SessionStore, session_ids: list[str]
+) -> None:
+    """Unwatch sessions whose turn is over with every call answered."""
+    watched = {r.session_id for r in await sessions.find(watched=True)}
+    calls = await ledger_calls(database_url, [s for s in session_ids if s in watched])
+    answered = Counter(k.session_id for k, c in calls.items() if c.status is CallStatus.SUBMITTED)
+    async with AsyncOpenAI(base_url=emulator.base_url, api_key="sk-test") as client:
+        for session_id, count in answered.items():
+            if count == EVERY_CLASS_CALLS:
+                session = await client.beta.agents.sessions.retrieve(session_id)
+                if session.status == "idle":
+                    await sessions.unwatch(session_id, "finished")
 
 
 async def test_chaos__a_few_random_kills__history_holds(

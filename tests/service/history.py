@@ -11,7 +11,11 @@ from collections import Counter
 from pathlib import Path
 
 from openai import AsyncOpenAI
-from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
+from openai.types.beta.agent_session import (
+    AgentSession,
+    RequiredActionSessionRequiredActionResourceFunctionCall,
+)
+from sqlalchemy import select
 
 from tests.service.tools import refunds
 from tests.service.workload import AT_MOST_ONCE_TOOLS, EVERY_CLASS_CALLS, read_effects
@@ -21,15 +25,28 @@ from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.schema import tool_calls
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
 
 
 async def ledger_calls(database_url: str, session_ids: list[str]) -> dict[CallKey, CallRecord]:
+    """Every call of these sessions, a few queries for thousands of sessions."""
     engine = create_engine(database_url)
     try:
         store = LedgerStore(engine, actor="test")
-        return {c.key: c for s in session_ids for c in await store.for_session(s)}
+        calls: dict[CallKey, CallRecord] = {}
+        async with engine.connect() as conn:
+            for start in range(0, len(session_ids), 500):
+                chunk = session_ids[start : start + 500]
+                rows = await conn.execute(
+                    select(tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id).where(
+                        tool_calls.c.session_id.in_(chunk)
+                    )
+                )
+                keys = [CallKey(r.session_id, r.turn_id, r.call_id) for r in rows]
+                calls.update(await store.get_many(keys))
+        return calls
     finally:
         await engine.dispose()
 
@@ -40,10 +57,17 @@ async def wait_quiescent(
     """Every session is idle, or waits only on calls the ledger holds as `unknown` (an
     at_most_once call cut off mid-run: an operator's to settle). Returns session -> state."""
     deadline = time.monotonic() + within
+    slots = asyncio.Semaphore(32)  # thousands of sessions: don't swamp the emulator
+
     async with AsyncOpenAI(base_url=emulator.base_url, api_key="sk-test") as client:
+
+        async def retrieve(session_id: str) -> AgentSession:
+            async with slots:
+                return await client.beta.agents.sessions.retrieve(session_id)
+
         while True:
             states: dict[str, str] = {}
-            sessions = await asyncio.gather(*(client.beta.agents.sessions.retrieve(s) for s in session_ids))
+            sessions = await asyncio.gather(*(retrieve(s) for s in session_ids))
             calls = await ledger_calls(database_url, session_ids)
             for session in sessions:
                 if session.status == "idle":

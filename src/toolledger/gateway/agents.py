@@ -179,6 +179,8 @@ class SessionEvents:
             return await self._events.__anext__()
         except (openai.OpenAIError, httpx2.HTTPError) as error:
             raise StreamInterruptedError(describe(error)) from error
+        except ValueError as error:  # an event whose data is not JSON: a garbled stream
+            raise StreamInterruptedError(f"malformed event ({type(error).__name__})") from error
 
 
 async def _crash_when_submission_accepted(response: httpx2.Response) -> None:
