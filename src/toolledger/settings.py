@@ -33,6 +33,9 @@ class Settings(BaseSettings):
         default=None, gt=0, description="How often a running call renews its lease (default: a third of it)."
     )
     handler_timeout_seconds: float = Field(default=300.0, gt=0, description="Default timeout of a handler.")
+    max_arguments_bytes: int = Field(
+        default=256 * 1024, gt=0, description="Largest arguments a handler is run with."
+    )
     max_output_bytes: int = Field(default=1024 * 1024, gt=0, description="Largest tool output submitted.")
     max_attempts: int = Field(default=3, ge=1, description="Claims of one call before it is given up.")
     submit_attempts: int = Field(

@@ -12,12 +12,12 @@ import pydantic
 import pytest
 from openai.lib.beta.agents import FunctionTool, function_tool, pydantic_function_tool
 
-from toolledger.domain.keys import CallKey
+from toolledger.domain.keys import ArgumentsRefused, CallKey, parse_arguments
 from toolledger.domain.results import FailureStage, validation_message
 from toolledger.domain.states import EffectClass
 from toolledger.errors import RegistryError
 from toolledger.runtime.context import ToolContext, Verification, bind_context, reset_context
-from toolledger.runtime.executor import _failure, _parse_arguments, _Stage
+from toolledger.runtime.executor import _failure, _Stage
 from toolledger.runtime.registry import TRANSIENT_ERRORS, RegisteredTool, ToolRegistry
 
 if TYPE_CHECKING:
@@ -550,7 +550,7 @@ def test_arguments__valid_json_object__are_parsed_and_passed_to_the_handler() ->
     tool = registered(validation_registry(), "refund")
     stage = _Stage()
 
-    arguments = _parse_arguments('{"order_id": "o1", "amount_cents": "250"}')
+    arguments = parse_arguments('{"order_id": "o1", "amount_cents": "250"}', 1024)
 
     assert arguments == {"order_id": "o1", "amount_cents": "250"}
     assert tool.function_tool._call(arguments, stage.set) == "o1:250"  # lax mode coerces "250"
@@ -562,7 +562,8 @@ def test_arguments__valid_json_object__are_parsed_and_passed_to_the_handler() ->
     ["{not json", "", "null", "[1, 2]", '"a string"', "42", '{"order_id": "o1"'],
 )
 def test_arguments__not_a_json_object__are_not_parsed(raw: str) -> None:
-    assert _parse_arguments(raw) is None
+    with pytest.raises(ArgumentsRefused, match="expected a JSON object"):
+        parse_arguments(raw, 1024)
 
 
 @pytest.mark.parametrize(

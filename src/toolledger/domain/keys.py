@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+from toolledger.domain.redaction import redact_text
 
 _SEPARATOR = "\x1f"
 
@@ -50,12 +53,12 @@ def arguments_fingerprint(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested beyond Python's stack
             return hashlib.sha256(arguments.encode("utf-8", "surrogatepass")).hexdigest()
         arguments = parsed
     try:
         text = canonical_json(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         text = repr(arguments)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -78,3 +81,71 @@ def is_finite_json(value: Any) -> bool:
     if isinstance(value, list):
         return all(is_finite_json(v) for v in value)
     return True
+
+
+class ArgumentsRefused(ValueError):
+    """Arguments a handler must not see; the message is safe to give the model."""
+
+
+def parse_arguments(text: str, max_bytes: int) -> dict[str, Any]:
+    """Strict JSON for a handler: an object, finite numbers, no duplicate keys, no NUL or
+    unpaired surrogates, within a size. Raises ArgumentsRefused with a message that never
+    echoes the arguments."""
+    if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise ArgumentsRefused(f"Invalid arguments: larger than {max_bytes} bytes.")
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+        if not isinstance(value, dict):
+            raise ArgumentsRefused("Invalid arguments: expected a JSON object.")
+        if not is_finite_json(value):  # 1e999 parses as inf
+            raise ArgumentsRefused("Invalid arguments: numbers must be finite.")
+    except ArgumentsRefused:
+        raise
+    except RecursionError:
+        raise ArgumentsRefused("Invalid arguments: nested too deeply.") from None
+    except ValueError:
+        raise ArgumentsRefused("Invalid arguments: expected a JSON object.") from None
+    if not _clean_text(value):
+        raise ArgumentsRefused("Invalid arguments: text contains a NUL character or an unpaired surrogate.")
+    return value
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ArgumentsRefused("Invalid arguments: a key appears twice in one object.")
+    return dict(pairs)
+
+
+def _no_constants(name: str) -> Any:
+    raise ArgumentsRefused("Invalid arguments: NaN and Infinity are not JSON.")
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+"""NUL (no PostgreSQL text holds it) and unpaired surrogates (no UTF-8 spells them)."""
+
+
+def _clean_text(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _UNSTORABLE.search(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+PREVIEW_CHARS = 512
+
+
+def refused_arguments_preview(text: str) -> str:
+    """What is kept of arguments a handler will never see: a redacted head and the size.
+    (The fingerprint of the whole text is kept beside it, so a redelivery is still known.)"""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    head = redact_text(text[:PREVIEW_CHARS]).encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{head.replace(chr(0), '')}… [refused arguments: {size} bytes, only this preview kept]"

@@ -102,8 +102,13 @@ def validation_message(error: pydantic.ValidationError) -> str:
     problems = []
     for item in error.errors(include_url=False, include_input=False, include_context=False)[:10]:
         location = ".".join(str(part) for part in item["loc"]) or "arguments"
-        problems.append(f"{location}: {item['msg']}")
-    return redact_text("Invalid arguments: " + "; ".join(problems))
+        # A location is made of the model's own keys: cap it, or a huge key floods the reply.
+        problems.append(f"{_capped(location, 80)}: {item['msg']}")
+    return _capped(redact_text("Invalid arguments: " + "; ".join(problems)), TOOL_ERROR_MAX_CHARS)
+
+
+def _capped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def normalize_output(value: Any, max_bytes: int) -> str | list[dict[str, Any]] | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import traceback
 from collections import Counter
@@ -38,7 +37,13 @@ from toolledger.crashpoints import (
     CP_DURING_RECOVERY,
     crash_point,
 )
-from toolledger.domain.keys import CallKey
+from toolledger.domain.keys import (
+    ArgumentsRefused,
+    CallKey,
+    arguments_text,
+    parse_arguments,
+    refused_arguments_preview,
+)
 from toolledger.domain.records import CallRecord
 from toolledger.domain.results import (
     FAILED_MESSAGE,
@@ -128,6 +133,11 @@ class Executor:
                 return HandleReport(key, "left_for_service", None)
             return await self._continue(known)
         tool = self.registry.get(name)
+        refused: ArgumentsRefused | None = None
+        try:
+            parse_arguments(arguments_text(arguments), self.settings.max_arguments_bytes)
+        except ArgumentsRefused as error:
+            refused = error
         recorded = await self.store.record(
             key,
             tool_name=name,
@@ -135,13 +145,16 @@ class Executor:
             # A name we don't know runs no handler: nothing to fear from a second try.
             effect_class=tool.effect if tool is not None else EffectClass.READ_ONLY,
             lease_seconds=self.settings.lease_seconds,
+            # Arguments no handler will see are not kept whole (they may be huge, or hold
+            # what was meant for nobody): a redacted preview, beside the full fingerprint.
+            stored_arguments=refused_arguments_preview(arguments_text(arguments)) if refused else None,
         )
         if recorded.arguments_mismatch:
             log.warning("call %s redelivered with other arguments: refused", key)
             return HandleReport(key, "refused_arguments_mismatch", recorded.call.status)
         if recorded.claimed:
             crash_point(CP_AFTER_CLAIM_COMMIT)
-            return await self._run_and_submit(tool, recorded.call, "executed")
+            return await self._run_and_submit(tool, recorded.call, "executed", refused)
         return await self._continue(recorded.call)
 
     async def recover(self) -> RecoveryReport:
@@ -313,10 +326,14 @@ class Executor:
     # ------------------------------------------------------------------ running
 
     async def _run_and_submit(
-        self, tool: RegisteredTool | None, call: CallRecord, action: str
+        self,
+        tool: RegisteredTool | None,
+        call: CallRecord,
+        action: str,
+        refused: ArgumentsRefused | None = None,
     ) -> HandleReport:
         try:
-            done = await self._run(tool, call)
+            done = await self._run(tool, call, refused)
         except FencedError:
             log.warning("call %s: lease lost while running; result refused (fenced)", call.key)
             return HandleReport(call.key, "fenced", None)
@@ -324,14 +341,20 @@ class Executor:
         outcome = await self.submit(done)
         return HandleReport(call.key, action, done.status, outcome is SubmitOutcome.SUBMITTED)
 
-    async def _run(self, tool: RegisteredTool | None, call: CallRecord) -> CallRecord:
+    async def _run(
+        self, tool: RegisteredTool | None, call: CallRecord, refused: ArgumentsRefused | None = None
+    ) -> CallRecord:
         token = call.lease_token
         if tool is None:
             outcome = failed(call.key, f"Unknown tool: {call.tool_name}", FailureStage.LOOKUP)
             return await self.store.complete(call.key, token, outcome)
-        arguments = _parse_arguments(call.arguments)
-        if arguments is None:
-            outcome = failed(call.key, "Invalid arguments: expected a JSON object.", FailureStage.ARGUMENTS)
+        try:
+            if refused is not None:
+                raise refused
+            # After a crash only the stored text is left: a refused call's preview is refused too.
+            arguments = parse_arguments(call.arguments, self.settings.max_arguments_bytes)
+        except ArgumentsRefused as error:
+            outcome = failed(call.key, str(error), FailureStage.ARGUMENTS)
             return await self.store.complete(call.key, token, outcome)
         if tool.effect is EffectClass.TRANSACTIONAL:
             return await self._run_transactional(tool, call, arguments)
@@ -534,14 +557,6 @@ def _action_fields(action: Any) -> tuple[str, str, str, Any]:
     if isinstance(action, Mapping):
         return action["turn_id"], action["call_id"], action["name"], action.get("arguments")
     return action.turn_id, action.call_id, action.name, action.arguments
-
-
-def _parse_arguments(stored: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(stored)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _seconds_since(moment: datetime) -> float:

@@ -81,10 +81,13 @@ class LedgerStore:
         arguments: Any,
         effect_class: EffectClass,
         lease_seconds: float,
+        stored_arguments: str | None = None,
     ) -> Recorded:
         """Record a delivered call and claim it in one commit (commit point 1), or find it recorded.
 
         A redelivery with other arguments is flagged in the audit trail and reported.
+        ``stored_arguments`` replaces the text kept (a preview of refused arguments); the
+        fingerprint is always that of the arguments delivered.
         """
         fingerprint = arguments_fingerprint(arguments)
         insert = (
@@ -94,7 +97,9 @@ class LedgerStore:
                 turn_id=key.turn_id,
                 call_id=key.call_id,
                 tool_name=tool_name,
-                arguments=_storable(arguments_text(arguments)),
+                arguments=_storable(
+                    stored_arguments if stored_arguments is not None else arguments_text(arguments)
+                ),
                 arguments_sha256=fingerprint,
                 status=CallStatus.RUNNING.value,
                 effect_class=effect_class.value,
