@@ -540,16 +540,6 @@ async def test_output__generator_of_10_million_items_from_a_plain_function_tool_
     assert growth < RSS_GROWTH_LIMIT_MIB, f"peak RSS grew by {growth:.0f} MiB"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "A @registry.tool (or add_model) handler goes through the SDK's function_tool, whose "
-        "FunctionTool._call (convert_output) runs _tool_output: list(iterator) then json.dumps, "
-        "before Executor._invoke's normalize_output and its bounded read (_bounded_list) ever see "
-        "it. All 10^7 items are pulled and a ~79 MB JSON text built, then refused for size."
-    ),
-)
 async def test_output__generator_of_10_million_items_from_a_decorated_tool__cut_off_without_materialising(
     sqlite_url: str, emulator: EmulatorServer
 ) -> None:

@@ -122,7 +122,7 @@ def normalize_output(value: Any, max_bytes: int) -> str | list[dict[str, Any]] |
         output = [dict(part) for part in value]
     else:
         if isinstance(value, Iterator):
-            value = _bounded_list(value, max_bytes)
+            value = bounded_list(value, max_bytes)
         try:
             if isinstance(value, Mapping | list | tuple | int | float | bool):
                 output = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -153,7 +153,7 @@ def _is_content_array(value: Any) -> bool:
     )
 
 
-def _bounded_list(items: Iterator[Any], max_bytes: int) -> list[Any]:
+def bounded_list(items: Iterator[Any], max_bytes: int) -> list[Any]:
     """Materialise an iterator, but stop once it is surely too large to send."""
     collected: list[Any] = []
     size = 0

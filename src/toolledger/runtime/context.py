@@ -9,6 +9,8 @@ from typing import Any
 
 from toolledger.domain.keys import CallKey
 
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+
 
 @dataclass(frozen=True)
 class ToolContext:
@@ -21,6 +23,8 @@ class ToolContext:
     idempotency_key: str
     """Stable for this call across crashes and replicas: pass it to downstream APIs."""
     logger: logging.LoggerAdapter[logging.Logger]
+    max_output_bytes: int = DEFAULT_OUTPUT_LIMIT
+    """The largest output that will be sent; an iterator result is read no further."""
     db: Any = None
     """For transactional tools: the ledger's open connection (an ``AsyncConnection`` for
     async handlers, a synchronous ``Connection`` for sync ones). Writes made through it commit
@@ -40,6 +44,12 @@ class ToolContext:
 
 
 _current: ContextVar[ToolContext] = ContextVar("toolledger_tool_context")
+
+
+def output_limit() -> int:
+    """The running call's output limit (the default outside a call)."""
+    context = _current.get(None)
+    return context.max_output_bytes if context is not None else DEFAULT_OUTPUT_LIMIT
 
 
 def current_context() -> ToolContext:

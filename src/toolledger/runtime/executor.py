@@ -510,6 +510,7 @@ class Executor:
             tool_name=tool.name,
             attempt=call.attempt_count,
             idempotency_key=call.idempotency_key,
+            max_output_bytes=self.settings.max_output_bytes,
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"toolledger.tools.{tool.name}"),
                 {"session_id": call.key.session_id, "turn_id": call.key.turn_id, "call_id": call.key.call_id},

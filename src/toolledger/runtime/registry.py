@@ -20,9 +20,10 @@ import pydantic
 from openai import omit
 from openai.lib.beta.agents import FunctionTool, function_tool, pydantic_function_tool
 
+from toolledger.domain.results import bounded_list
 from toolledger.domain.states import EffectClass
 from toolledger.errors import RegistryError
-from toolledger.runtime.context import ToolContext, Verification, current_context
+from toolledger.runtime.context import ToolContext, Verification, current_context, output_limit
 
 VerifyHook = Callable[[ToolContext], Verification | Awaitable[Verification]]
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
@@ -100,7 +101,7 @@ class ToolRegistry:
         receives the call's context and is left out of the schema."""
 
         def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
-            handler = _without_context_parameter(fn)
+            handler = _handler_for(fn)
             built = function_tool(
                 handler, name=name, description=description, defer_loading=True if defer_loading else omit
             )
@@ -252,35 +253,44 @@ def _is_context(annotation: Any) -> bool:
     return ToolContext in arguments and all(a in (ToolContext, type(None)) for a in arguments)
 
 
-def _without_context_parameter(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A wrapper whose signature lacks the ``ToolContext`` parameter; it fills it at call time."""
+def _handler_for(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What the SDK's ``function_tool`` wraps: ``fn`` without its ``ToolContext`` parameter
+    (filled at call time), and with an iterator result read only up to the output limit (the
+    SDK would otherwise turn all of it into a list before anyone measures it)."""
     signature = inspect.signature(fn)
     hints = _parameter_hints(fn)
     context_names = [name for name in signature.parameters if _is_context(hints.get(name))]
-    if not context_names:
-        return fn
     if len(context_names) > 1:
         raise RegistryError(f"{fn.__name__}: only one parameter may take the ToolContext")
-    context_name = context_names[0]
+    context = {name: None for name in context_names}
     parameters = [
         parameter.replace(annotation=hints.get(name, parameter.annotation))
         for name, parameter in signature.parameters.items()
-        if name != context_name
+        if name not in context
     ]
+
+    def with_context(arguments: dict[str, Any]) -> dict[str, Any]:
+        return {**arguments, **{name: current_context() for name in context}}
 
     wrapper: Callable[..., Any]
     if inspect.iscoroutinefunction(fn):
 
         async def wrapper(**arguments: Any) -> Any:
-            return await fn(**arguments, **{context_name: current_context()})
+            return _bounded(await fn(**with_context(arguments)))
 
     else:
 
         def wrapper(**arguments: Any) -> Any:
-            return fn(**arguments, **{context_name: current_context()})
+            return _bounded(fn(**with_context(arguments)))
 
     # No __wrapped__: the SDK would follow it back to the signature that has the context.
     for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
         setattr(wrapper, attribute, getattr(fn, attribute))
     setattr(wrapper, "__signature__", signature.replace(parameters=parameters))  # noqa: B010
     return wrapper
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, Iterator) and not isinstance(value, str | bytes):
+        return bounded_list(value, output_limit())
+    return value
