@@ -107,11 +107,19 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine; toolledger's own errors end it with their message, no traceback."""
+    """Run a command's coroutine; toolledger's own errors and an unreachable database end it
+    with a one-line message, no traceback."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from toolledger.domain.redaction import redact_text
+
     try:
         return asyncio.run(coroutine)
     except ToolLedgerError as error:
         raise click.ClickException(str(error)) from None
+    except SQLAlchemyError as error:
+        reason = redact_text(_first_line(getattr(error, "orig", None) or error))
+        raise click.ClickException(f"the ledger database is unavailable: {reason}") from None
 
 
 def _configure_logging(level: str) -> None:
