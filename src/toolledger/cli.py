@@ -127,7 +127,8 @@ def _configure_logging(level: str) -> None:
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     # One line per HTTP request drowns everything else out.
-    for noisy in ("httpx", "httpx2", "openai", "alembic"):
+    # aiosqlite's DEBUG lines carry statement parameters: tool arguments and outputs.
+    for noisy in ("httpx", "httpx2", "openai", "alembic", "aiosqlite"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from toolledger.domain.redaction import Redactor
 from toolledger.errors import ToolLedgerError
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.executor import Executor, HandleReport, RecoveryReport
@@ -32,6 +33,17 @@ class SchemaNotCurrentError(ToolLedgerError):
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def configured_redactor(settings: Settings) -> Redactor:
+    """Redaction with the configured secret field names and the secrets toolledger holds."""
+    secrets = []
+    if settings.openai_api_key is not None:
+        secrets.append(settings.openai_api_key.get_secret_value())
+    password = make_url(settings.database_url).password
+    if password:
+        secrets.append(str(password))
+    return Redactor(settings.secret_fields, secrets)
 
 
 class ToolLedger:
@@ -62,6 +74,7 @@ class ToolLedger:
         backend = make_url(self.settings.database_url).get_backend_name()
         self._auto_migrate = auto_migrate if auto_migrate is not None else backend == "sqlite"
         self._executor: Executor | None = None
+        self.redactor = configured_redactor(self.settings)
 
     async def start(self) -> ToolLedger:
         url = self.settings.database_url
@@ -88,7 +101,7 @@ class ToolLedger:
                 base_url=self.settings.openai_base_url,
                 attempts=self.settings.submit_attempts,
             )
-        store = LedgerStore(self._engine, actor=self.worker_id)
+        store = LedgerStore(self._engine, actor=self.worker_id, redactor=self.redactor)
         self._executor = Executor(
             self.registry, store, self._gateway, self.settings, run_handlers=self.run_handlers
         )

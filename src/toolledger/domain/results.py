@@ -12,7 +12,7 @@ import pydantic
 import pydantic_core
 
 from toolledger.domain.keys import CallKey
-from toolledger.domain.redaction import redact_text
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor, redact_text
 
 FAILED_MESSAGE = "Tool handler failed."
 """What the model hears of an unexpected exception: never the exception's text."""
@@ -92,9 +92,17 @@ def failed(key: CallKey, message: str, stage: FailureStage, detail: str | None =
     )
 
 
-def tool_error_message(error: ToolError) -> str:
-    text = redact_text(error.message)
-    return text if len(text) <= TOOL_ERROR_MAX_CHARS else text[: TOOL_ERROR_MAX_CHARS - 1] + "…"
+def tool_error_message(error: ToolError, redactor: Redactor = DEFAULT_REDACTOR) -> str:
+    """A ToolError's message for the model: redacted and capped. A subclass that skipped
+    ``ToolError.__init__`` or carries no text gets the fixed message."""
+    try:
+        message = error.message if isinstance(getattr(error, "message", None), str) else str(error)
+    except Exception:  # an evil __str__
+        return FAILED_MESSAGE
+    if not message:
+        return FAILED_MESSAGE
+    text = redactor.text(message)
+    return _capped(text, TOOL_ERROR_MAX_CHARS)
 
 
 def validation_message(error: pydantic.ValidationError) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from toolledger.domain.keys import CallKey
 from toolledger.runtime.executor import Executor, HandleReport
-from toolledger.runtime.failures import log_failure
+from toolledger.runtime.failures import log_failure, note_interruption
 
 log = logging.getLogger("toolledger.calls")
 
@@ -66,6 +66,10 @@ class CallRunner:
                 # call got; the reconciler picks it up from there.
                 log_failure(log, "handling call %s stopped", key)
                 return HandleReport(key, "error", None)
+            except BaseException:
+                # A handler's own BaseException: the call's lease will expire into `unknown`.
+                note_interruption(log, "handling call %s interrupted", key)
+                return HandleReport(key, "interrupted", None)
 
     async def drain(self, grace: float) -> int:
         """Take no new calls; wait up to ``grace`` seconds for running ones, then cancel the

@@ -45,6 +45,7 @@ from toolledger.domain.keys import (
     refused_arguments_preview,
 )
 from toolledger.domain.records import CallRecord
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import (
     FAILED_MESSAGE,
     OUTPUT_FAILED_MESSAGE,
@@ -293,8 +294,9 @@ class Executor:
         try:
             answer = tool.verify(self._context(tool, call))
             verification = await answer if inspect.isawaitable(answer) else answer
-        except Exception:
-            log.exception("verify hook of %s failed for %s", tool.name, call.key)
+        except Exception as error:
+            # The traceback (redacted) goes to the audit trail; the log gets one line.
+            log.warning("verify hook of %s failed for %s (%s)", tool.name, call.key, type(error).__name__)
             await self.store.flag(
                 call.key, "verify_failed", "verify hook raised", detail=traceback.format_exc()
             )
@@ -447,7 +449,7 @@ class Executor:
                         value = tool.function_tool._call(arguments, stage.set)
                     else:
                         # to_thread copies the context, so current_context() works in the thread.
-                        value = await asyncio.to_thread(tool.function_tool._call, arguments, stage.set)
+                        value = await asyncio.to_thread(_call_in_thread, tool, arguments, stage.set)
                     return await value if inspect.isawaitable(value) else value
             except TimeoutError:
                 if deadline.expired():
@@ -469,7 +471,7 @@ class Executor:
                 value = await attempt_once()
             return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
         except Exception as error:
-            return _failure(context.key, error, stage)
+            return _failure(context.key, error, stage, self.store.redactor)
         finally:
             reset_context(reset)
 
@@ -490,7 +492,7 @@ class Executor:
                         raise
             return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
         except Exception as error:
-            return _failure(context.key, error, stage)
+            return _failure(context.key, error, stage, self.store.redactor)
         finally:
             reset_context(reset)
 
@@ -518,6 +520,14 @@ class Executor:
         )
 
 
+def _call_in_thread(tool: RegisteredTool, arguments: dict[str, Any], on_stage: Any) -> Any:
+    try:
+        return tool.function_tool._call(arguments, on_stage)
+    except StopIteration as error:
+        # A StopIteration cannot cross into a Future (asyncio would hang until the timeout).
+        raise RuntimeError("the handler raised StopIteration") from error
+
+
 def _log_database_retry(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome is not None else None
     log.warning("database unavailable (%s); retrying attempt %d", type(error).__name__, state.attempt_number)
@@ -537,15 +547,18 @@ class _Stage:
         self.value = value
 
 
-def _failure(key: CallKey, error: Exception, stage: _Stage) -> Outcome:
+def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR) -> Outcome:
     """The result the model gets for a failure: never the exception's own text."""
     if isinstance(error, ToolError):
-        return failed(key, tool_error_message(error), FailureStage.EXECUTION)
+        return failed(key, tool_error_message(error, redactor), FailureStage.EXECUTION)
     if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
         return failed(key, validation_message(error), FailureStage.ARGUMENTS)
     if isinstance(error, _HandlerTimeout):
         return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
-    detail = "".join(traceback.format_exception(error))
+    try:
+        detail = "".join(traceback.format_exception(error))
+    except Exception:  # an exception whose own __str__ or __repr__ fails
+        detail = f"{type(error).__qualname__} (its text could not be rendered)"
     if isinstance(error, OutputError):
         return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
     if stage.value == "output":  # the SDK failed to serialise what the handler returned

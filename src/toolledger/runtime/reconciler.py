@@ -99,7 +99,9 @@ class Reconciler:
             return result
         result.status = session.status
         if session.status == "failed":
-            reason = f"session failed: {session.error}" if session.error else "session failed"
+            # The API's failure text may quote anything: it is redacted before it is kept or logged.
+            error = self.executor.store.redactor.text(session.error) if session.error else None
+            reason = f"session failed: {error}" if error else "session failed"
             await self._stop(result, known.values(), reason, status="failed")
             return result
 

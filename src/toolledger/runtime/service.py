@@ -293,6 +293,12 @@ class Service:
                 log.info("session %s: event stream interrupted (%s); reconnecting", session_id, error)
             except Exception:
                 log_failure(log, "session %s: following failed; reconnecting", session_id)
+            except BaseException as interruption:  # from a handler run during a reconcile
+                if isinstance(interruption, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+                    raise
+                log.warning(
+                    "session %s: interrupted (%s); reconnecting", session_id, type(interruption).__qualname__
+                )
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not secrecy
             delay = min(delay * 2, self.settings.stream_backoff_max_seconds)
 
@@ -343,6 +349,14 @@ class Service:
                         await self._reconcile(session_id)
                     except Exception:
                         log_failure(log, "session %s: reconcile failed", session_id)
+                    except BaseException as interruption:
+                        if isinstance(interruption, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+                            raise
+                        log.warning(
+                            "session %s: reconcile interrupted (%s)",
+                            session_id,
+                            type(interruption).__qualname__,
+                        )
                     if session_id not in self._again:
                         return
             finally:

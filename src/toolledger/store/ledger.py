@@ -17,7 +17,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.keys import CallKey, arguments_fingerprint, arguments_text
 from toolledger.domain.records import CallEvent, CallRecord, Recorded
-from toolledger.domain.redaction import redact_text
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, TransitionError
@@ -66,9 +66,10 @@ def _record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
 class LedgerStore:
     """The only writer of ``tool_calls`` and ``tool_call_events``."""
 
-    def __init__(self, engine: AsyncEngine, *, actor: str) -> None:
+    def __init__(self, engine: AsyncEngine, *, actor: str, redactor: Redactor = DEFAULT_REDACTOR) -> None:
         self.engine = engine
         self.actor = actor
+        self.redactor = redactor
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
 
     # ------------------------------------------------------------------ writes
@@ -197,7 +198,7 @@ class LedgerStore:
             "status": target.value,
             "result": outcome.payload_json(),
             "error_stage": outcome.stage.value if outcome.stage else None,
-            "error_detail": _storable(redact_text(outcome.detail)) if outcome.detail else None,
+            "error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
             "finished_at": utc_now(),
             "lease_expires_at": None,
             "updated_at": utc_now(),
@@ -245,7 +246,7 @@ class LedgerStore:
             values={
                 "result": outcome.payload_json(),
                 "error_stage": outcome.stage.value if outcome.stage else None,
-                "error_detail": _storable(redact_text(outcome.detail)) if outcome.detail else None,
+                "error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
                 "finished_at": utc_now(),
                 "lease_expires_at": None,
             },
@@ -318,11 +319,11 @@ class LedgerStore:
                 .where(_where_key(key))
                 .values(
                     submission_count=tool_calls.c.submission_count + 1,
-                    last_submission_error=_storable(redact_text(error)),
+                    last_submission_error=_storable(self.redactor.text(error)),
                     updated_at=utc_now(),
                 )
             )
-            await self._event(conn, key, "submission_failed", None, None, None, _storable(redact_text(error)))
+            await self._event(conn, key, "submission_failed", None, None, None, error)
 
     async def mark_confirmed(self, key: CallKey) -> bool:
         """The session no longer awaits the submitted result: it was consumed."""
@@ -356,7 +357,7 @@ class LedgerStore:
             [CallStatus.PENDING, CallStatus.RUNNING, CallStatus.UNKNOWN, *RESULT_STATUSES],
             CallStatus.ABANDONED,
             reason,
-            values={"abandoned_reason": _storable(reason), "lease_expires_at": None},
+            values={"abandoned_reason": _storable(self.redactor.text(reason)), "lease_expires_at": None},
         )
 
     async def flag(self, key: CallKey, kind: str, reason: str, detail: str | None = None) -> None:
@@ -533,8 +534,9 @@ class LedgerStore:
                 from_status=from_status.value if from_status else None,
                 to_status=to_status.value if to_status else None,
                 lease_token=lease_token,
-                reason=_storable(reason) if reason is not None else None,
-                detail=_storable(detail) if detail is not None else None,
+                # Every audit line is redacted: reasons quote the API and hooks quote tracebacks.
+                reason=_storable(self.redactor.text(reason)) if reason is not None else None,
+                detail=_storable(self.redactor.text(detail)) if detail is not None else None,
             )
         )
 

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.records import ReplicaRecord, SessionRecord
+from toolledger.domain.redaction import redact_text
 from toolledger.store.engine import utc_after, utc_now
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
@@ -64,7 +65,7 @@ class SessionStore:
         """Stop watching; the lease is dropped so no replica follows it any longer."""
         values: dict[str, Any] = {
             "watched": False,
-            "reason": reason,
+            "reason": redact_text(reason),
             "owner": None,
             "lease_expires_at": None,
             "updated_at": utc_now(),
