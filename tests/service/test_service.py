@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
+from tests.service.history import ledger_calls
 from tests.service.tools import registry
 from tests.service.workload import (
     CALLS_PER_SESSION,
@@ -21,7 +22,6 @@ from tests.service.workload import (
     start_sessions,
     wait_until_idle,
 )
-from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.errors import ToolLedgerError
@@ -64,19 +64,6 @@ async def running_service(
 async def watch_all(service: Service, session_ids: list[str]) -> None:
     for session_id in session_ids:
         await service.watch(session_id)
-
-
-async def ledger_calls(database_url: str, session_ids: list[str]) -> dict[CallKey, Any]:
-    engine = create_engine(database_url)
-    try:
-        store = LedgerStore(engine, actor="test")
-        calls = {}
-        for session_id in session_ids:
-            for call in await store.for_session(session_id):
-                calls[call.key] = call
-        return calls
-    finally:
-        await engine.dispose()
 
 
 async def session_records(database_url: str) -> dict[str, Any]:
