@@ -1,0 +1,411 @@
+"""The whole service against the emulator (its own process, so neither side shares its CPU
+time with it): `toolledger serve` vs the SDK's own tool runner, recovery after a crash, and
+the memory of a service watching many sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from openai import AsyncOpenAI, omit
+from sqlalchemy import func, select
+
+from benchmarks.ledger_path import fresh_ledger
+from benchmarks.report import Figure
+from toolledger.domain.keys import CallKey
+from toolledger.domain.results import succeeded
+from toolledger.domain.states import CallStatus, EffectClass
+from toolledger.emulator import Script
+from toolledger.store import migrate
+from toolledger.store.engine import create_engine
+from toolledger.store.ledger import LedgerStore
+from toolledger.store.schema import sessions as sessions_table
+from toolledger.store.schema import tool_calls
+from toolledger.store.sessions import SessionStore
+
+Progress = Callable[[str], None]
+TOOLS = "benchmarks.service_tools:registry"
+API_KEY = "sk-bench-not-a-real-key"
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_LOG_LEVEL = os.environ.get("BENCH_SERVE_LOG", "warning")
+"""`debug` shows each call's moments in serve's logs (kept in the run's temporary directory)."""
+
+
+@asynccontextmanager
+async def emulator_process() -> AsyncIterator[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolledger.cli", "emulator", "--port", "0", "--log-level", "error"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = await asyncio.to_thread(process.stdout.readline)
+        if not line.startswith("http"):
+            raise RuntimeError(f"the emulator did not start: {line!r}")
+        yield line.strip()
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+@asynccontextmanager
+async def serve_process(
+    database_url: str, base_url: str, log: Path, **environment: str
+) -> AsyncIterator[subprocess.Popen[bytes]]:
+    env = {
+        **os.environ,
+        "TOOLLEDGER_DATABASE_URL": database_url,
+        "TOOLLEDGER_OPENAI_BASE_URL": base_url,
+        "TOOLLEDGER_OPENAI_API_KEY": API_KEY,
+        "TOOLLEDGER_LOG_FORMAT": "text",
+        "PYTHONPATH": str(ROOT),
+        **environment,
+    }
+    env.pop("TOOLLEDGER_CRASH_AT", None)
+    sink = log.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolledger.cli", "serve", "--tools", TOOLS, "--log-level", SERVE_LOG_LEVEL],
+        env=env,
+        stdout=sink,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        sink.close()
+
+
+def workload(quick: bool) -> tuple[int, Script, int]:
+    """Sessions, their script (steps of parallel calls), calls per session."""
+    script = Script.of_calls([("noop", {}), ("noop", {})], [("noop", {}), ("noop", {})], [("noop", {})])
+    return (5 if quick else 200), script, 5
+
+
+async def create_sessions(client: AsyncOpenAI, count: int, script: Script, *, start: bool) -> list[str]:
+    encoded = script.model_dump_json()
+    gate = asyncio.Semaphore(32)
+
+    async def one() -> str:
+        async with gate:
+            created = await client.beta.agents.sessions.create(
+                environment={"type": "none"},
+                agent={"model": "emulated"},
+                metadata={"emulator_script": encoded},
+                input="go" if start else omit,
+            )
+            return str(created.id)
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def sdk_calls_per_second(base_url: str, count: int, script: Script, calls: int) -> float:
+    """The best a user does without toolledger: the SDK's `sessions.stream(tool_handlers=...)`
+    per session, every session at once, with AsyncOpenAI."""
+
+    async def noop(_arguments: dict[str, Any]) -> str:
+        return "ok"
+
+    async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
+        ids = await create_sessions(client, count, script, start=False)
+
+        async def one(session_id: str) -> None:
+            async with client.beta.agents.sessions.stream(
+                session_id, input="go", tool_handlers={"noop": noop}
+            ) as stream:
+                await stream.get_final_result()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(session_id) for session_id in ids))
+        return count * calls / (time.perf_counter() - started)
+
+
+class SubmittedCounter:
+    """Counts submitted calls over one open connection: polling must not cost a connect."""
+
+    def __init__(self, database_url: str) -> None:
+        self.engine = create_engine(database_url)
+
+    async def count(self) -> int:
+        async with self.engine.connect() as conn:
+            submitted = tool_calls.c.status == CallStatus.SUBMITTED.value
+            query = select(func.count()).select_from(tool_calls).where(submitted)
+            return int((await conn.execute(query)).scalar_one())
+
+    async def wait_for(self, total: int, process: subprocess.Popen[bytes], log: Path, within: float) -> None:
+        deadline = time.monotonic() + within
+        try:
+            while await self.count() < total:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"serve did not finish the work: {log.read_text()[-2000:]}")
+                await asyncio.sleep(0.01)
+        finally:
+            await self.engine.dispose()
+
+
+async def _wait_followed(
+    database_url: str, ids: list[str], process: subprocess.Popen[bytes], log: Path
+) -> None:
+    """Until serve owns every session (it then has each one's event stream open)."""
+    engine = create_engine(database_url)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            async with engine.connect() as conn:
+                owned = (
+                    await conn.execute(
+                        select(func.count())
+                        .select_from(sessions_table)
+                        .where(sessions_table.c.owner.is_not(None))
+                    )
+                ).scalar_one()
+            if owned >= len(ids):
+                await asyncio.sleep(1.0)  # the last streams opening
+                return
+            if process.poll() is not None:
+                raise RuntimeError(f"serve exited: {log.read_text()[-2000:]}")
+            await asyncio.sleep(0.2)
+        raise TimeoutError("serve did not take every session")
+    finally:
+        await engine.dispose()
+
+
+async def toolledger_calls_per_second(
+    database_url: str, base_url: str, count: int, script: Script, calls: int, workdir: Path
+) -> float:
+    """`toolledger serve` doing the same work, every call through the ledger."""
+    await asyncio.to_thread(_fresh, database_url)
+    async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
+        ids = await create_sessions(client, count, script, start=False)
+        engine = create_engine(database_url)
+        try:
+            await SessionStore(engine).watch_new(ids)
+        finally:
+            await engine.dispose()
+        log = workdir / f"serve-e2e-{time.monotonic_ns()}.log"
+        async with serve_process(database_url, base_url, log) as process:
+            await _wait_followed(database_url, ids, process, log)
+            counter = SubmittedCounter(database_url)
+            await counter.count()
+            started = time.perf_counter()
+            gate = asyncio.Semaphore(64)
+
+            async def start(session_id: str) -> None:
+                async with gate:
+                    await client.beta.agents.sessions.events.create(
+                        session_id,
+                        events=[
+                            {
+                                "type": "agent.session.input.message",
+                                "input": [
+                                    {"role": "user", "content": [{"type": "input_text", "text": "go"}]}
+                                ],
+                            }
+                        ],
+                    )
+
+            await asyncio.gather(*(start(session_id) for session_id in ids))
+            await counter.wait_for(count * calls, process, log, 300)
+            return count * calls / (time.perf_counter() - started)
+
+
+def _fresh(database_url: str) -> None:
+    if database_url.startswith("sqlite"):
+        path = Path(database_url.split("///", 1)[1])
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        migrate.upgrade(database_url)
+    else:
+        fresh_ledger(database_url)
+
+
+async def recovery(database_url: str, base_url: str, quick: bool, workdir: Path) -> tuple[float, float, int]:
+    """Stored-but-unsubmitted results (what a SIGKILL between commit and submission leaves),
+    resubmitted by a starting `serve`; against the SDK submitting as many results directly."""
+    per_session = 10
+    count = 10 if quick else 1000
+    script = Script.of_calls([("noop", {"n": n}) for n in range(per_session)])
+    await asyncio.to_thread(fresh_ledger, database_url)
+    async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
+        ids = await create_sessions(client, count, script, start=True)
+        direct_ids = await create_sessions(client, count, script, start=True)
+        pending = await _pending(client, ids + direct_ids, per_session)
+        engine = create_engine(database_url, pool_size=16)
+        try:
+            store = LedgerStore(engine, actor="crashed-worker")
+            gate = asyncio.Semaphore(16)
+
+            async def stored(session_id: str, action: Any) -> None:
+                key = CallKey(session_id, action.turn_id, action.call_id)
+                async with gate:
+                    recorded = await store.record(
+                        key,
+                        tool_name="noop",
+                        arguments=action.arguments,
+                        effect_class=EffectClass.AT_MOST_ONCE,
+                        lease_seconds=30,
+                    )
+                    await store.complete(key, recorded.call.lease_token, succeeded(key, "ok"))
+
+            await asyncio.gather(*(stored(s, a) for s in ids for a in pending[s]))
+            await SessionStore(engine).watch_new(ids)
+        finally:
+            await engine.dispose()
+
+        # The baseline: the same number of results, submitted straight to the API.
+        gate = asyncio.Semaphore(64)
+
+        async def submit(session_id: str, action: Any) -> None:
+            async with gate:
+                await client.beta.agents.sessions.events.create(
+                    session_id,
+                    events=[
+                        {
+                            "type": "agent.session.input.tool_result",
+                            "turn_id": action.turn_id,
+                            "call_id": action.call_id,
+                            "success": True,
+                            "output": "ok",
+                        }
+                    ],
+                )
+
+        started = time.perf_counter()
+        await asyncio.gather(*(submit(s, a) for s in direct_ids for a in pending[s]))
+        direct_rate = count * per_session / (time.perf_counter() - started)
+
+    total = count * per_session
+    log = workdir / "serve-recovery.log"
+    counter = SubmittedCounter(database_url)
+    await counter.count()
+    started = time.perf_counter()
+    async with serve_process(database_url, base_url, log) as process:
+        await counter.wait_for(total, process, log, 600)
+        recovered_rate = total / (time.perf_counter() - started)
+    return recovered_rate, direct_rate, total
+
+
+async def _pending(client: AsyncOpenAI, ids: list[str], per_session: int) -> dict[str, list[Any]]:
+    gate = asyncio.Semaphore(32)
+    pending: dict[str, list[Any]] = {}
+
+    async def wait(session_id: str) -> None:
+        while True:
+            async with gate:
+                session = await client.beta.agents.sessions.retrieve(session_id)
+            actions = [a for a in session.required_actions if a.type == "function_call"]
+            if len(actions) == per_session:
+                pending[session_id] = actions
+                return
+            await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(wait(session_id) for session_id in ids))
+    return pending
+
+
+def _rss_megabytes(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"VmRSS:\s+(\d+) kB", status)
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
+async def memory(database_url: str, base_url: str, count: int, workdir: Path) -> float:
+    """Resident memory of `serve` following ``count`` idle sessions (0: the baseline)."""
+    await asyncio.to_thread(fresh_ledger, database_url)
+    async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
+        ids = await create_sessions(client, count, Script.of_calls(), start=False) if count else []
+    engine = create_engine(database_url)
+    try:
+        await SessionStore(engine).watch_new(ids)
+    finally:
+        await engine.dispose()
+    log = workdir / f"serve-memory-{count}.log"
+    async with serve_process(database_url, base_url, log) as process:
+        deadline = time.monotonic() + 60
+        while "serving" not in log.read_text() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if ids:
+            await _wait_followed(database_url, ids, process, log)
+        await asyncio.sleep(0.5)
+        return _rss_megabytes(process.pid)
+
+
+async def run(
+    database_url: str, quick: bool, progress: Progress, skip: dict[str, str], parts: set[str]
+) -> list[Figure]:
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory(prefix="toolledger-bench-") as directory:
+        workdir = Path(directory)
+        async with emulator_process() as base_url:
+            if "e2e" in parts:
+                count, script, calls = workload(quick)
+                sdk = await sdk_calls_per_second(base_url, count, script, calls)
+                progress(f"SDK runner: {sdk:,.0f} calls/s ({count} sessions x {calls} calls)")
+                for name, url in (
+                    ("PostgreSQL", database_url),
+                    ("SQLite", f"sqlite+aiosqlite:///{workdir / 'e2e.sqlite3'}"),
+                ):
+                    ours = await toolledger_calls_per_second(url, base_url, count, script, calls, workdir)
+                    progress(f"toolledger serve on {name}: {ours:,.0f} calls/s")
+                    figures.append(
+                        Figure(
+                            "e2e",
+                            f"serve on {name}, {count} sessions x {calls} calls",
+                            "calls/s",
+                            ours,
+                            sdk,
+                            "SDK runner",
+                            ">= 0.8x",
+                            ours >= 0.8 * sdk,
+                        )
+                    )
+            if "recovery" in parts:
+                recovered, direct, total = await recovery(database_url, base_url, quick, workdir)
+                progress(f"recovery: {total:,} results at {recovered:,.0f}/s (direct SDK: {direct:,.0f}/s)")
+                figures.append(
+                    Figure(
+                        "recovery",
+                        f"{total:,} stored results resubmitted after a crash",
+                        "results/s",
+                        recovered,
+                        direct,
+                        "SDK submitting directly",
+                        ">= 500/s",
+                        recovered >= 500,
+                        note="timed from the new serve process's start, its start-up included",
+                    )
+                )
+            if "memory" in parts:
+                watched = 20 if quick else 1000
+                idle = await memory(database_url, base_url, 0, workdir)
+                busy = await memory(database_url, base_url, watched, workdir)
+                progress(f"memory: {busy:.0f} MB watching {watched} sessions, {idle:.0f} MB watching none")
+                figures.append(
+                    Figure(
+                        "memory",
+                        f"serve RSS watching {watched} sessions",
+                        "MB",
+                        busy,
+                        idle,
+                        "MB watching none",
+                        "<= 300 MB",
+                        busy <= 300,
+                    )
+                )
+    return figures
