@@ -1,0 +1,87 @@
+"""The configuration reference is generated from the settings model and kept in step with it;
+`toolledger config` shows what is in effect without showing a secret; a bad value is refused
+by its variable's name, without echoing it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from toolledger.settings import Settings
+from toolledger.settings_reference import options, reference_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "toolledger.cli", "config", *args],
+        env={**env, **environment},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_docs_configuration__is_what_the_model_generates() -> None:
+    written = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    regenerate = "toolledger config --reference > docs/configuration.md"
+    assert written == reference_markdown(), regenerate
+
+
+def test_reference__lists_every_option_with_its_variable_default_and_meaning() -> None:
+    reference = reference_markdown()
+    assert {option.name for option in options()} == set(Settings.model_fields)
+    for option in options():
+        assert option.meaning, f"{option.name} has no description"
+        assert f"| `{option.variable}` |" in reference
+    lease = next(option for option in options() if option.name == "lease_seconds")
+    assert (lease.variable, lease.default) == ("TOOLLEDGER_LEASE_SECONDS", "30.0")
+
+
+def test_config_json__shows_values_and_their_source_and_masks_every_secret() -> None:
+    secrets = {
+        "TOOLLEDGER_OPENAI_API_KEY": "sk-config-canary-0001",
+        "TOOLLEDGER_API_TOKENS": json.dumps({"alice": "config-canary-token-0002"}),
+        "TOOLLEDGER_DATABASE_URL": "postgresql://app:config-canary-pw-0003@db.example/ledger",
+    }
+    shown = _config("--json", TOOLLEDGER_LEASE_SECONDS="12.5", **secrets)
+    assert shown.returncode == 0, shown.stderr
+    for canary in ("sk-config-canary-0001", "config-canary-token-0002", "config-canary-pw-0003"):
+        assert canary not in shown.stdout
+    rows = {row["name"]: row for row in json.loads(shown.stdout)}
+    assert rows["lease_seconds"] == {
+        "name": "lease_seconds",
+        "variable": "TOOLLEDGER_LEASE_SECONDS",
+        "value": 12.5,
+        "source": "set",
+    }
+    assert rows["max_attempts"]["source"] == "default"
+    assert rows["api_tokens"]["value"] == {"alice": "[REDACTED]"}
+    assert rows["database_url"]["value"] == "postgresql+psycopg://app:[REDACTED]@db.example/ledger"
+
+    table = _config(**secrets)
+    assert table.returncode == 0, table.stderr
+    assert "TOOLLEDGER_LEASE_SECONDS" in table.stdout
+    assert "sk-config-canary-0001" not in table.stdout
+
+
+def test_config__bad_values__exit_2_naming_the_variable_without_echoing_the_value() -> None:
+    refused = _config(TOOLLEDGER_LEASE_SECONDS="-1", TOOLLEDGER_API_TOKENS='{"alice": 7}')
+    assert refused.returncode == 2
+    assert "TOOLLEDGER_LEASE_SECONDS: Input should be greater than 0" in refused.stderr
+    assert "TOOLLEDGER_API_TOKENS_ALICE" in refused.stderr
+    assert "-1" not in refused.stderr
+
+    not_json = _config(TOOLLEDGER_API_TOKENS='{"bob": "config-canary-token-0004"')
+    assert not_json.returncode == 2
+    assert "api_tokens" in not_json.stderr
+    assert "lists and maps are JSON" in not_json.stderr
+    assert "config-canary-token-0004" not in not_json.stderr
+    assert "Traceback" not in not_json.stderr
