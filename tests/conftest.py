@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -9,6 +10,10 @@ from openai import AsyncOpenAI, OpenAI
 from tests.databases import PostgresTemplate, require_postgres, server_url
 from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
+
+# Subprocesses' logs are read as text by the tests that grep them; the JSON lines a log
+# shipper gets (the default off a terminal) have their own tests (tests/service/test_logs.py).
+os.environ.setdefault("TOOLLEDGER_LOG_FORMAT", "text")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

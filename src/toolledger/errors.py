@@ -73,3 +73,9 @@ class AgentsUnavailableError(ToolLedgerError):
     """The Agents API could not be reached or answered 5xx/429: try again later."""
 
     code = "agents_unavailable"
+
+
+class SchemaNotCurrentError(ToolLedgerError):
+    """The ledger database is not at the schema revision this release needs."""
+
+    code = "schema_not_current"

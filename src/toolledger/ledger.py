@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.redaction import Redactor
-from toolledger.errors import ToolLedgerError
+from toolledger.errors import SchemaNotCurrentError
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.executor import Executor, HandleReport, RecoveryReport
 from toolledger.runtime.registry import ToolRegistry
@@ -27,17 +27,15 @@ from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 
 
-class SchemaNotCurrentError(ToolLedgerError):
-    code = "schema_not_current"
-
-
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def configured_redactor(settings: Settings) -> Redactor:
-    """Redaction with the configured secret field names and the secrets toolledger holds."""
-    secrets = []
+    """Redaction with the configured secret field names and the secrets toolledger holds
+    (API key, database password, audit API tokens)."""
+    tokens = (*settings.api_tokens.values(), *settings.api_read_tokens.values())
+    secrets = [token.get_secret_value() for token in tokens]
     if settings.openai_api_key is not None:
         secrets.append(settings.openai_api_key.get_secret_value())
     password = make_url(settings.database_url).password

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -98,6 +100,26 @@ class Settings(BaseSettings):
     )
     secret_fields: frozenset[str] = Field(
         default=DEFAULT_SECRET_FIELDS, description="Field names masked in logs and audit views."
+    )
+    log_format: Literal["auto", "text", "json"] = Field(
+        default="auto",
+        description="Log lines as text or JSON objects; `auto`: text on a terminal, JSON otherwise.",
+    )
+    api_tokens: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Audit API tokens with every right (read, resolve, watch), by the name recorded "
+        'as the operator: JSON, e.g. {"alice": "a-long-random-token"}.',
+    )
+    api_read_tokens: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Audit API tokens that may only read (lists, details, sessions), by name: JSON.",
+    )
+    api_host: str = Field(
+        default="127.0.0.1",
+        description="Address the audit API listens on; any other than loopback needs a token.",
+    )
+    api_port: int = Field(
+        default=8700, ge=0, le=65535, description="Port of the audit API; 0 picks a free one."
     )
 
     @field_validator("database_url")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Literal
+from typing import Any, Literal, cast
 from urllib.parse import parse_qsl
 
 import openai
@@ -236,6 +236,33 @@ def test_update__null_service_tier_and_tools__reset_them(client: OpenAI) -> None
     assert updated.agent.service_tier == "auto"
     assert updated.agent.tools == []
     assert updated.agent.model == "emulated"
+
+
+def test_spend_control__limit_on_create__is_echoed_changed_and_removed_by_update(client: OpenAI) -> None:
+    # The SDK (3.60) requires spend_control on every session: without it no session parses.
+    unlimited = create(client)
+    assert (unlimited.spend_control.limit, unlimited.spend_control.consumed) == (None, 0)
+    limited = client.beta.agents.sessions.create(
+        environment={"type": "none"}, agent={"model": "emulated"}, spend_control={"limit": 500}
+    )
+    assert limited.spend_control.limit == 500
+    raised = client.beta.agents.sessions.update(
+        limited.id, spend_control={"limit": 900}, vault_ids=["vault_a"]
+    )
+    assert (raised.spend_control.limit, raised.vault_ids) == (900, ["vault_a"])
+    removed = client.beta.agents.sessions.update(limited.id, spend_control=None, vault_ids=None)
+    assert (removed.spend_control.limit, removed.vault_ids) == (None, [])
+    assert client.beta.agents.sessions.retrieve(limited.id).spend_control.limit is None
+
+
+@pytest.mark.parametrize("limit", [0, -5, "ten"])
+def test_spend_control__a_limit_that_is_not_positive_cents__is_refused(client: OpenAI, limit: object) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.beta.agents.sessions.create(
+            environment={"type": "none"},
+            agent={"model": "emulated"},
+            spend_control=cast(Any, {"limit": limit}),
+        )
 
 
 def test_update__unknown_session__raises_not_found(client: OpenAI) -> None:

@@ -77,7 +77,7 @@ def _cases() -> list[object]:
     ]
     cases += [
         pytest.param("postgresql", tool, point, id=f"postgresql-{tool}-{point}")
-        for tool, point in ON_POSTGRES
+        for tool, point in sorted(ON_POSTGRES)
     ]
     return cases
 

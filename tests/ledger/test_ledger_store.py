@@ -727,3 +727,22 @@ async def test_create_engine__sqlite_runs_in_wal_with_synchronous_full(sqlite_ur
     assert synchronous == 2, "2 is FULL"
     assert foreign_keys == 1
     assert busy_timeout >= 1000
+
+
+async def test_pool_exhausted__is_a_transient_error_the_outcome_write_retries(postgres_url: str) -> None:
+    """Every pooled connection busy past the pool timeout (a burst of sessions) must be retried
+    like a restarting database, not drop an outcome write."""
+    from sqlalchemy import exc
+
+    from toolledger.store.engine import is_transient
+
+    engine = create_engine(postgres_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        store = LedgerStore(engine, actor="w")
+        async with engine.connect():
+            with pytest.raises(exc.TimeoutError) as raised:
+                await store.get(CallKey("s", "t", "c"))
+        assert is_transient(raised.value)
+        assert await store.get(CallKey("s", "t", "c")) is None  # the pool is free again
+    finally:
+        await engine.dispose()

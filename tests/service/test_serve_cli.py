@@ -15,6 +15,7 @@ from pathlib import Path
 from subprocess import CompletedProcess
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
@@ -345,25 +346,44 @@ async def test_status__while_serve_runs__database_reachable_schema_current_one_r
 
 
 @pytest.mark.parametrize(
-    "bad_url",
+    ("bad_url", "reason"),
     [
-        pytest.param("postgresql+psycopg://postgres:s3cret@127.0.0.1:1/nowhere", id="postgresql-refused"),
-        pytest.param("sqlite+aiosqlite:////nonexistent/directory/ledger.sqlite3", id="sqlite-no-directory"),
+        pytest.param(
+            "postgresql+psycopg://postgres:s3cret@127.0.0.1:1/nowhere",
+            "OperationalError: ",
+            id="postgresql-refused",
+        ),
+        pytest.param(
+            "sqlite+aiosqlite:////nonexistent/directory/ledger.sqlite3",
+            "no ledger file at /nonexistent/directory/ledger.sqlite3",
+            id="sqlite-no-directory",
+        ),
     ],
 )
-async def test_status__database_unreachable__exits_1_with_the_reason_and_no_traceback(bad_url: str) -> None:
+async def test_status__database_unreachable__exits_1_with_the_reason_and_no_traceback(
+    bad_url: str, reason: str
+) -> None:
     text, as_json = await run_all(("status",), ("status", "--json"), database_url=bad_url)
 
     assert text.returncode == 1
     assert "database:   UNREACHABLE" in text.stdout
-    assert "error:      OperationalError: " in text.stdout
+    assert f"error:      {reason}" in text.stdout
     assert as_json.returncode == 1
     report = json.loads(as_json.stdout)
     assert (report["database_reachable"], report["schema_current"], report["replicas"]) == (False, False, [])
-    assert report["error"].startswith("OperationalError: ")
+    assert report["error"].startswith(reason)
     for result in (text, as_json):
         assert "Traceback" not in result.stderr + result.stdout
         assert "s3cret" not in result.stderr + result.stdout
+
+
+def test_status__missing_sqlite_file__is_reported_not_created(tmp_path: Path) -> None:
+    path = tmp_path / "typo.sqlite3"
+    result = run_cli("status", database_url=f"sqlite+aiosqlite:///{path}")
+
+    assert result.returncode == 1
+    assert f"no ledger file at {path}" in result.stdout
+    assert not path.exists()
 
 
 # ----------------------------------------------------------------- sessions
@@ -408,3 +428,49 @@ def test_sessions__database_unreachable__exits_1_with_the_reason_and_no_tracebac
     assert result.stderr.startswith("Error: "), result.stderr
     assert "Connection refused" in result.stderr
     assert "s3cret" not in result.stderr
+
+
+# ------------------------------------------------------------------- serve --api
+
+
+async def test_serve_api__serves_the_audit_api_beside_the_service_and_stops_with_it(
+    serve: StartServe, sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    process = serve(
+        sqlite_url,
+        emulator.base_url,
+        extra_args=("--api", "--api-port", "0"),
+        TOOLLEDGER_API_TOKENS='{"ops": "tok-serve-api-7Q"}',
+    )
+    await asyncio.to_thread(process.wait_serving)
+    base = await eventually(lambda: _audit_api_address(process), 20, "the audit API's address")
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/api/calls")).status_code == 401
+        listed = await client.get("/api/calls", headers={"Authorization": "Bearer tok-serve-api-7Q"})
+        assert listed.status_code == 200, listed.text
+        assert listed.json()["calls"] == []
+    process.process.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(process.process.wait, 15) == 0
+    with pytest.raises(httpx.TransportError):
+        async with httpx.AsyncClient(base_url=base, timeout=2) as client:
+            await client.get("/healthz")
+    assert "tok-serve-api-7Q" not in process.log()
+
+
+def test_serve_api__non_loopback_address_without_a_token__exits_2_before_serving(sqlite_url: str) -> None:
+    result = run_cli(
+        "serve", "--tools", TOOLS, "--api", "--api-host", "0.0.0.0", database_url=sqlite_url, timeout=30
+    )
+
+    assert result.returncode == 2, result.stderr
+    assert "token" in result.stderr.lower()
+    assert "Traceback" not in result.stderr
+    assert "serving:" not in result.stdout + result.stderr
+
+
+async def _audit_api_address(process: ServeProcess) -> str | None:
+    for line in process.log().splitlines():
+        if line.startswith("audit API: "):
+            return line.removeprefix("audit API: ").strip()
+    return None

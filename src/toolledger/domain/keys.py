@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from toolledger.domain.redaction import redact_text
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 
 _SEPARATOR = "\x1f"
 
@@ -143,9 +143,9 @@ def _clean_text(value: Any) -> bool:
 PREVIEW_CHARS = 512
 
 
-def refused_arguments_preview(text: str) -> str:
+def refused_arguments_preview(text: str, redactor: Redactor = DEFAULT_REDACTOR) -> str:
     """What is kept of arguments a handler will never see: a redacted head and the size.
     (The fingerprint of the whole text is kept beside it, so a redelivery is still known.)"""
     size = len(text.encode("utf-8", "surrogatepass"))
-    head = redact_text(text[:PREVIEW_CHARS]).encode("utf-8", "backslashreplace").decode("utf-8")
+    head = redactor.text(text[:PREVIEW_CHARS]).encode("utf-8", "backslashreplace").decode("utf-8")
     return f"{head.replace(chr(0), '')}… [refused arguments: {size} bytes, only this preview kept]"

@@ -12,17 +12,46 @@ DEFAULT_SECRET_FIELDS = frozenset(
 MASK = "[REDACTED]"
 SHORTEST_LITERAL = 6
 """A configured secret shorter than this is not searched for in text (it would mask words)."""
+LITERAL_FRAGMENT = 12
+"""A configured secret at least twice this long is also masked where only its head or its
+tail is left (a repr cut short in the middle): from this many of its first or last
+characters on, as far as the text goes on matching it."""
 
 # Shapes of credentials that can appear in free text (exception messages, tracebacks).
 _SECRET_PATTERNS = [
-    # A left boundary, so "task-2024..." or "disk-usage-..." are left alone.
-    re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_\-]{8,}"),
+    # A left boundary, so "task-2024..." or "disk-usage-..." are left alone; a line break or
+    # tab escaped in a repr ("...\\nsk-...") is a boundary too.
+    # A repr cut short in the middle ("sk-proj-abc...xyz", as pydantic shows a long input)
+    # keeps the key's tail after the dots: masked with it.
+    re.compile(r"(?:(?<![A-Za-z0-9])|(?<=\\[ntr]))sk-[A-Za-z0-9_\-]{8,}(?:\.\.\.[A-Za-z0-9_\-]+)?"),
     re.compile(r"(?i)bearer\s+[A-Za-z0-9._\-~+/]{8,}=*"),
     re.compile(r"AKIA[0-9A-Z]{12,}"),
-    # The password of any URL (postgresql://, mysql://, redis://, amqp://...). The user part
-    # excludes ':' '/' '@' so a long run of look-alikes cannot make the match backtrack.
-    re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]+:)[^@/\s]+(@)"),
+    # The password of any URL (postgresql://, mysql://, redis://, amqp://...), with or without
+    # a user name (redis://:password@host). Anchored on "://" itself: a scheme matched from
+    # every position of a long dotted word made the search quadratic. The user part excludes
+    # ':' '/' '@' so a long run of look-alikes cannot make the match backtrack.
+    re.compile(r"(://[^:/@\s]*:)[^@/\s]+(@)"),
 ]
+
+# The value after a secret-named field: a quoted string to its closing quote (spaces and
+# commas included: "4111 1111 1111 1111"), the same inside an encoded string (\"...\" in JSON
+# held by JSON, \\'...\\' in the repr of a repr: up to 8 backslashes), a bytes repr (b'...'),
+# or a bare word (which ends at a line break escaped in a repr, "\\n", as at a real one), with
+# the scheme of an Authorization value ("Basic <credentials>") taken along. An unterminated
+# quoted value is masked to the end of its line.
+_ESCAPED_QUOTE = r"""\\{1,8}["']"""
+_FIELD_VALUE = (
+    r"""(?:(?P<dq>[bB]?")(?:[^"\\\n]|\\.)*(?P<dqc>"?)"""
+    r"""|(?P<sq>[bB]?')(?:[^'\\\n]|\\.)*(?P<sqc>'?)"""
+    rf"""|(?P<eq>{_ESCAPED_QUOTE})(?:(?!{_ESCAPED_QUOTE})[^\n])*(?P<eqc>(?:{_ESCAPED_QUOTE})?)"""
+    r"""|(?!\[REDACTED\]|=)(?:(?:basic|bearer|digest|token)\s+)?(?:[^"'\s,&;}\])\\]|\\(?![ntr]))+)"""
+)
+
+
+def _name_pattern(field: str) -> str:
+    """A field name whose "_" or "-" may be spelled either way or left out: api_key also
+    finds X-Api-Key and apikey."""
+    return "[-_]?".join(re.escape(part) for part in re.split(r"[-_]", field))
 
 
 class Redactor:
@@ -36,11 +65,16 @@ class Redactor:
         self._literals = sorted(
             {s for s in secrets if s and len(s) >= SHORTEST_LITERAL}, key=len, reverse=True
         )
-        names = "|".join(re.escape(f) for f in sorted(self.secret_fields, key=len, reverse=True))
+        names = "|".join(_name_pattern(f) for f in sorted(self.secret_fields, key=len, reverse=True))
+        self._names = re.compile(names) if names else None
         # password=..., 'password': '...', "api_key": "...", password: ... (in reprs, logs, URLs).
+        # The name is looked for only from the start of each word (a lookahead), and the word
+        # is then taken whole without backtracking: a search from every position of a long
+        # word was quadratic (seconds for a 10 kB base64 blob in a traceback).
         self._fields = (
             re.compile(
-                rf"""(?i)((?:[\w-]*(?:{names})[\w-]*)["']?\s*[:=]\s*["']?)(?!\[REDACTED\])([^"'\s,&;}}\])]+)"""
+                rf"""(?i)(?P<prefix>(?<![\w-])(?=[\w-]*?(?:{names}))[\w-]*+(?:\\{{0,8}}["'])?\s*[:=]\s*)"""
+                + _FIELD_VALUE
             )
             if names
             else None
@@ -48,14 +82,14 @@ class Redactor:
 
     def text(self, text: str) -> str:
         for literal in self._literals:
-            text = text.replace(literal, MASK)
+            text = _without_literal(text, literal)
         for pattern in _SECRET_PATTERNS:
             if pattern.groups == 2:
                 text = pattern.sub(lambda m: f"{m.group(1)}{MASK}{m.group(2)}", text)
             else:
                 text = pattern.sub(MASK, text)
         if self._fields is not None:
-            text = self._fields.sub(lambda m: f"{m.group(1)}{MASK}", text)
+            text = self._fields.sub(_masked_field, text)
         return text
 
     def value(self, value: Any) -> Any:
@@ -72,8 +106,43 @@ class Redactor:
         return value
 
     def is_secret(self, name: str) -> bool:
-        lowered = name.lower()
-        return any(field in lowered for field in self.secret_fields)
+        return self._names is not None and self._names.search(name.lower()) is not None
+
+
+def _without_literal(text: str, literal: str) -> str:
+    """``text`` with ``literal`` masked, and the head or tail of it a cut-short repr left."""
+    text = text.replace(literal, MASK)
+    if len(literal) < 2 * LITERAL_FRAGMENT:
+        return text
+    head, tail = literal[:LITERAL_FRAGMENT], literal[-LITERAL_FRAGMENT:]
+    if head in text:
+        parts, start = [], 0
+        while (found := text.find(head, start)) >= 0:
+            end, matched = found + len(head), len(head)
+            while end < len(text) and matched < len(literal) and text[end] == literal[matched]:
+                end, matched = end + 1, matched + 1
+            parts.append(text[start:found] + MASK)
+            start = end
+        text = "".join(parts) + text[start:]
+    if tail in text:
+        parts, end = [], len(text)
+        while (found := text.rfind(tail, 0, end)) >= 0:
+            begin, matched = found, len(literal) - len(tail)
+            while begin > 0 and matched > 0 and text[begin - 1] == literal[matched - 1]:
+                begin, matched = begin - 1, matched - 1
+            parts.append(MASK + text[found + len(tail) : end])
+            end = begin
+        text = text[:end] + "".join(reversed(parts))
+    return text
+
+
+def _masked_field(match: re.Match[str]) -> str:
+    """The field's name and separator kept, its value masked, its quotes kept."""
+    prefix = match["prefix"]
+    for opening, closing in (("dq", "dqc"), ("sq", "sqc"), ("eq", "eqc")):
+        if match[opening] is not None:
+            return f"{prefix}{match[opening]}{MASK}{match[closing]}"
+    return f"{prefix}{MASK}"
 
 
 DEFAULT_REDACTOR = Redactor()

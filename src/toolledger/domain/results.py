@@ -12,7 +12,7 @@ import pydantic
 import pydantic_core
 
 from toolledger.domain.keys import CallKey
-from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor, redact_text
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 
 FAILED_MESSAGE = "Tool handler failed."
 """What the model hears of an unexpected exception: never the exception's text."""
@@ -105,14 +105,16 @@ def tool_error_message(error: ToolError, redactor: Redactor = DEFAULT_REDACTOR) 
     return _capped(text, TOOL_ERROR_MAX_CHARS)
 
 
-def validation_message(error: pydantic.ValidationError) -> str:
-    """What the model needs to correct its arguments, without echoing their values."""
+def validation_message(error: pydantic.ValidationError, redactor: Redactor = DEFAULT_REDACTOR) -> str:
+    """What the model needs to correct its arguments, without echoing their values. A custom
+    validator's own words are kept (they say what is wrong), redacted: pass the configured
+    redactor so the secrets toolledger holds are masked too."""
     problems = []
     for item in error.errors(include_url=False, include_input=False, include_context=False)[:10]:
         location = ".".join(str(part) for part in item["loc"]) or "arguments"
         # A location is made of the model's own keys: cap it, or a huge key floods the reply.
         problems.append(f"{_capped(location, 80)}: {item['msg']}")
-    return _capped(redact_text("Invalid arguments: " + "; ".join(problems)), TOOL_ERROR_MAX_CHARS)
+    return _capped(redactor.text("Invalid arguments: " + "; ".join(problems)), TOOL_ERROR_MAX_CHARS)
 
 
 def _capped(text: str, limit: int) -> str:

@@ -33,8 +33,15 @@ ALLOWED_TRANSITIONS: dict[CallStatus, frozenset[CallStatus]] = {
     CallStatus.RUNNING: frozenset(
         {CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.UNKNOWN, CallStatus.ABANDONED}
     ),
+    # PENDING: an operator allowed a re-run (``toolledger calls resolve --rerun``).
     CallStatus.UNKNOWN: frozenset(
-        {CallStatus.RUNNING, CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.ABANDONED}
+        {
+            CallStatus.PENDING,
+            CallStatus.RUNNING,
+            CallStatus.SUCCEEDED,
+            CallStatus.FAILED,
+            CallStatus.ABANDONED,
+        }
     ),
     CallStatus.SUCCEEDED: frozenset({CallStatus.SUBMITTED, CallStatus.ABANDONED}),
     CallStatus.FAILED: frozenset({CallStatus.SUBMITTED, CallStatus.ABANDONED}),

@@ -22,6 +22,7 @@ from toolledger.emulator.inputs import (
     EVENTS_BODY,
     SESSION_CREATE_BODY,
     AgentConfig,
+    SpendControlBody,
     check_metadata,
     describe,
 )
@@ -41,6 +42,8 @@ class SessionUpdateBody(BaseModel):
     agent: AgentConfig | None = None
     review: Literal["none", "auto_review"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    spend_control: SpendControlBody | None = None
+    vault_ids: list[str] | None = None
 
 
 class FailSessionBody(BaseModel):
@@ -183,6 +186,11 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
             except ValueError as error:
                 raise EmulatorAPIError(400, str(error), param="metadata") from None
             session.metadata = dict(metadata)
+        if "spend_control" in update.model_fields_set:
+            # Null, or a null limit, removes the limit; what was spent is kept.
+            session.spend_limit = update.spend_control.limit if update.spend_control else None
+        if "vault_ids" in update.model_fields_set:
+            session.vault_ids = list(update.vault_ids or [])
         if update.agent is not None:
             merged = {**session.agent, **update.agent.settings()}
             session.agent = wire.agent(session.agent["id"], merged)

@@ -98,6 +98,14 @@ class AgentConfig(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
+class SpendControlBody(BaseModel):
+    """A session's spending limit in USD cents; null removes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit: int | None = Field(gt=0)
+
+
 class SessionCreateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -111,6 +119,7 @@ class SessionCreateBody(BaseModel):
     review: Literal["none", "auto_review"] | None = None
     vault_ids: list[str] | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    spend_control: SpendControlBody | None = None
 
     @field_validator("environment")
     @classmethod

@@ -14,7 +14,7 @@ import uvicorn
 from toolledger.emulator.app import create_app
 from toolledger.emulator.control import EmulatorControl
 from toolledger.emulator.script import Script
-from toolledger.emulator.state import EmulatorState
+from toolledger.emulator.state import KEEPALIVE_SECONDS, EmulatorState
 
 _INTENDED_DROP = "ASGI callable returned without completing response."
 
@@ -109,10 +109,17 @@ class EmulatorServer:
         api_key: str | None = None,
         default_script: Script | None = None,
         log_level: str = "warning",
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
     ) -> None:
+        """``keepalive_seconds``: how long a stream stays silent before a keep-alive comment."""
         self._sock = bind(host, port)
         self.base_url = base_url_of(self._sock)
-        self._server = _server(self._sock, EmulatorState(default_script=default_script), api_key, log_level)
+        self._server = _server(
+            self._sock,
+            EmulatorState(default_script=default_script, keepalive_seconds=keepalive_seconds),
+            api_key,
+            log_level,
+        )
         self._thread = threading.Thread(target=self._run, name="toolledger-emulator", daemon=True)
         self.control = EmulatorControl(self.base_url)
 

@@ -168,6 +168,9 @@ class Session:
     last_active_at: int
     status: str = "idle"
     error: str | None = None
+    spend_limit: int | None = None
+    """USD cents; the emulated model costs nothing, so the budget is never reached."""
+    vault_ids: list[str] = field(default_factory=list)
     script: Script | None = None
     turns: list[Turn] = field(default_factory=list)
     active: Turn | None = None
@@ -197,6 +200,8 @@ class Session:
             status=self.status,
             error=self.error,
             required_actions=self.required_actions(),
+            spend_limit=self.spend_limit,
+            vault_ids=self.vault_ids,
         )
 
 
@@ -236,8 +241,11 @@ class _StoredResponse:
 class EmulatorState:
     """Everything the emulated service knows."""
 
-    def __init__(self, *, default_script: Script | None = None) -> None:
+    def __init__(
+        self, *, default_script: Script | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS
+    ) -> None:
         self.sessions: dict[str, Session] = {}
+        self.keepalive_seconds = keepalive_seconds
         self.scripts: dict[str, Script] = {}
         self.default_script = default_script or Script()
         self.faults = FaultBoard()
@@ -276,6 +284,8 @@ class EmulatorState:
             seq=next(self._seq),
             last_active_at=created,
             script=script,
+            spend_limit=body.spend_control.limit if body.spend_control else None,
+            vault_ids=list(body.vault_ids or []),
         )
         self.sessions[session.id] = session
         subscriber = None
@@ -742,7 +752,7 @@ class EmulatorState:
                     yield StreamEnd.END
                     return
                 try:
-                    item = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_SECONDS)
+                    item = await asyncio.wait_for(subscriber.queue.get(), self.keepalive_seconds)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue

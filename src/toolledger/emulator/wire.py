@@ -65,6 +65,8 @@ def session(
     status: str,
     error: str | None,
     required_actions: list[dict[str, Any]],
+    spend_limit: int | None = None,
+    vault_ids: list[str] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": session_id,
@@ -76,9 +78,10 @@ def session(
         "error": error,
         "metadata": dict(metadata),
         "required_actions": required_actions,
+        "spend_control": {"consumed": 0, "limit": spend_limit},
         "status": status,
         "usage": None,
-        "vault_ids": [],
+        "vault_ids": list(vault_ids or []),
     }
 
 

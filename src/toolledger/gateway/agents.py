@@ -9,6 +9,7 @@ from typing import Any, cast
 import httpx2
 import openai
 from openai import AsyncOpenAI, AsyncStream, DefaultAsyncHttpxClient
+from openai._streaming import ServerSentEvent, SSEDecoder
 from openai.types.beta.agent_session import (
     AgentSession,
     RequiredActionSessionRequiredActionResourceFunctionCall,
@@ -17,7 +18,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from openai.types.beta.agent_session_input_param import SessionInputParamAgentSessionInputToolResult
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
-from toolledger import crashpoints
+from toolledger import crashpoints, metrics
 from toolledger.errors import (
     AgentsUnavailableError,
     SessionGoneError,
@@ -60,7 +61,7 @@ class AgentsGateway:
         http_client = DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200), event_hooks=hooks
         )
-        client = AsyncOpenAI(
+        client = _AgentsClient(
             api_key=api_key or "unused-by-the-emulator", base_url=base_url, http_client=http_client
         )
         return cls(client, **policy)
@@ -92,8 +93,12 @@ class AgentsGateway:
             kind = classify(error, payload.get("call_id"))
             if kind is Failure.PENDING_RACE and expect_pending:
                 races += 1
-                return races < self._race_attempts
-            return kind is Failure.RETRYABLE
+                retry = races < self._race_attempts
+            else:
+                retry = kind is Failure.RETRYABLE
+            if retry:
+                metrics.RETRIES.labels("submission").inc()
+            return retry
 
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._attempts),
@@ -163,6 +168,31 @@ class AgentsGateway:
         async for session in self.client.beta.agents.sessions.list(metadata=metadata, limit=DISCOVERY_PAGE):
             found.append(session)
         return found
+
+
+class _KeepAliveTolerantDecoder(SSEDecoder):
+    """The SDK's SSE decoder, except that a block without data (a keep-alive comment on an
+    idle stream) dispatches nothing, as the SSE standard says.
+
+    The SDK's decoder keeps the last event id across events (as it should) but also takes
+    it as a reason to dispatch: after the first event, every keep-alive became an event
+    with empty data, ``json.loads("")`` failed and the stream died. Under load that was a
+    reconnect and a full reconcile of every idle session at every keep-alive.
+    """
+
+    def decode(self, line: str) -> ServerSentEvent | None:
+        if not line and not self._data:
+            self._event = None
+            self._retry = None
+            return None
+        return super().decode(line)
+
+
+class _AgentsClient(AsyncOpenAI):
+    """The SDK's client with a keep-alive tolerant SSE decoder for event streams."""
+
+    def _make_sse_decoder(self) -> SSEDecoder:
+        return _KeepAliveTolerantDecoder()
 
 
 class SessionEvents:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 import traceback
 from collections import Counter
-from collections.abc import Mapping
-from contextlib import suppress
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -29,6 +30,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from toolledger import metrics
 from toolledger.crashpoints import (
     CP_AFTER_CLAIM_COMMIT,
     CP_AFTER_HANDLER,
@@ -65,11 +67,13 @@ from toolledger.domain.results import (
 from toolledger.domain.states import RESULT_STATUSES, UNCONFIRMED_ALERT_AFTER, CallStatus, EffectClass
 from toolledger.errors import FencedError, SessionGoneError, SubmissionError
 from toolledger.gateway.agents import AgentsGateway
+from toolledger.logs import log_fields
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store.engine import is_transient
 from toolledger.store.ledger import LedgerStore
+from toolledger.tracing import CallSpan, call_span
 
 log = logging.getLogger("toolledger.executor")
 
@@ -128,6 +132,16 @@ class Executor:
         """Handle one ``function_call`` entry of a session's ``required_actions``."""
         turn_id, call_id, name, arguments = _action_fields(action)
         key = CallKey(session_id, turn_id, call_id)
+        with (
+            log_fields(session_id=session_id, turn_id=turn_id, call_id=call_id),
+            call_span("toolledger.call", key, tool=name) as span,
+        ):
+            report = await self._handle(key, name, arguments)
+            _note_report(span, report)
+            log.debug("call %s (%s): %s, now %s", call_id, name, report.action, report.status)
+            return report
+
+    async def _handle(self, key: CallKey, name: str, arguments: Any) -> HandleReport:
         if not self.run_handlers:
             known = await self.store.get(key)
             if known is None:
@@ -148,7 +162,9 @@ class Executor:
             lease_seconds=self.settings.lease_seconds,
             # Arguments no handler will see are not kept whole (they may be huge, or hold
             # what was meant for nobody): a redacted preview, beside the full fingerprint.
-            stored_arguments=refused_arguments_preview(arguments_text(arguments)) if refused else None,
+            stored_arguments=(
+                refused_arguments_preview(arguments_text(arguments), self.store.redactor) if refused else None
+            ),
         )
         if recorded.arguments_mismatch:
             log.warning("call %s redelivered with other arguments: refused", key)
@@ -170,18 +186,34 @@ class Executor:
             report.actions["resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"] += 1
         return report
 
+    async def handle_recorded(self, call: CallRecord) -> HandleReport:
+        """Carry on with a call already in the ledger, as if the session had just listed it
+        (an operator's re-run of an ``unknown`` call starts here)."""
+        with _call_log_fields(call), call_span("toolledger.call", call.key, tool=call.tool_name) as span:
+            report = await self._continue(call)
+            _note_report(span, report)
+            return report
+
     async def submit(self, call: CallRecord, *, listed: bool = True) -> SubmitOutcome:
         """Send the stored result, byte for byte, with the call's stable Idempotency-Key.
 
         ``listed``: the call was in the session's ``required_actions`` just now. A call that
         was not is abandoned if the session refuses it as not pending.
         """
+        with _call_log_fields(call), call_span("toolledger.submit", call.key, tool=call.tool_name) as span:
+            outcome = await self._submit(call, listed)
+            span.set("outcome", outcome.value)
+        metrics.SUBMISSIONS.labels(outcome.value).inc()
+        return outcome
+
+    async def _submit(self, call: CallRecord, listed: bool) -> SubmitOutcome:
         if self.gateway is None or call.payload is None:
             return SubmitOutcome.NOT_SENT
         try:
-            await self.gateway.submit_tool_result(
-                call.key.session_id, call.payload, call.idempotency_key, expect_pending=listed
-            )
+            with metrics.SUBMISSION_DURATION.time():
+                await self.gateway.submit_tool_result(
+                    call.key.session_id, call.payload, call.idempotency_key, expect_pending=listed
+                )
         except SessionGoneError as error:
             await self.store.abandon(call.key, f"session gone: {error}")
             return SubmitOutcome.ABANDONED
@@ -194,7 +226,11 @@ class Executor:
                 await self.store.abandon(call.key, "no longer awaited by the session")
                 return SubmitOutcome.ABANDONED
             await self.store.record_submission_failure(call.key, str(error))
-            log.warning("submitting %s failed (%s); left for the reconciler", call.key, error)
+            log.warning(
+                "submitting %s failed (%s); left for the reconciler",
+                call.key,
+                self.store.redactor.text(str(error)),
+            )
             return SubmitOutcome.FAILED
         crash_point(CP_AFTER_SUBMIT_RESPONSE)
         async for attempt in self._database_retrying():
@@ -456,24 +492,24 @@ class Executor:
                     raise _HandlerTimeout from None
                 raise
 
-        reset = bind_context(context)
-        try:
-            if tool.retries:
-                async for attempt in AsyncRetrying(
-                    stop=stop_after_attempt(tool.retries + 1),
-                    wait=wait_exponential(multiplier=0.05, max=2),
-                    retry=retry_if_exception_type(tool.retry_on),
-                    reraise=True,
-                ):
-                    with attempt:
-                        value = await attempt_once()
-            else:
-                value = await attempt_once()
-            return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
-        except Exception as error:
-            return _failure(context.key, error, stage, self.store.redactor)
-        finally:
-            reset_context(reset)
+        with _handler_run(tool, context) as span:
+            try:
+                if tool.retries:
+                    async for attempt in AsyncRetrying(
+                        stop=stop_after_attempt(tool.retries + 1),
+                        wait=wait_exponential(multiplier=0.05, max=2),
+                        retry=retry_if_exception_type(tool.retry_on),
+                        reraise=True,
+                    ):
+                        with attempt:
+                            value = await attempt_once()
+                else:
+                    value = await attempt_once()
+                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+            except Exception as error:
+                outcome = _failure(context.key, error, stage, self.store.redactor)
+            _note_outcome(span, outcome)
+            return outcome
 
     def _invoke_inline(
         self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
@@ -481,20 +517,20 @@ class Executor:
         """A sync transactional handler: run on this thread, inside the connection's greenlet,
         so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
         stage = _Stage()
-        reset = bind_context(context)
-        try:
-            for attempt in range(tool.retries + 1):
-                try:
-                    value = tool.function_tool._call(arguments, stage.set)
-                    break
-                except tool.retry_on:
-                    if attempt == tool.retries:
-                        raise
-            return succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
-        except Exception as error:
-            return _failure(context.key, error, stage, self.store.redactor)
-        finally:
-            reset_context(reset)
+        with _handler_run(tool, context) as span:
+            try:
+                for attempt in range(tool.retries + 1):
+                    try:
+                        value = tool.function_tool._call(arguments, stage.set)
+                        break
+                    except tool.retry_on:
+                        if attempt == tool.retries:
+                            raise
+                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+            except Exception as error:
+                outcome = _failure(context.key, error, stage, self.store.redactor)
+            _note_outcome(span, outcome)
+            return outcome
 
     async def _heartbeat(self, key: CallKey, token: int) -> None:
         while True:
@@ -530,6 +566,7 @@ def _call_in_thread(tool: RegisteredTool, arguments: dict[str, Any], on_stage: A
 
 def _log_database_retry(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome is not None else None
+    metrics.RETRIES.labels("database").inc()
     log.warning("database unavailable (%s); retrying attempt %d", type(error).__name__, state.attempt_number)
 
 
@@ -547,12 +584,43 @@ class _Stage:
         self.value = value
 
 
+@contextmanager
+def _handler_run(tool: RegisteredTool, context: ToolContext) -> Iterator[CallSpan]:
+    """The handler's run as the tool sees it (its context bound) and as operators measure it
+    (a duration per tool, a span)."""
+    reset = bind_context(context)
+    started = time.perf_counter()
+    try:
+        with call_span(
+            "toolledger.handler", context.key, tool=tool.name, effect_class=tool.effect.value
+        ) as span:
+            yield span
+    finally:
+        metrics.HANDLER_DURATION.labels(tool.name).observe(time.perf_counter() - started)
+        reset_context(reset)
+
+
+def _note_outcome(span: CallSpan, outcome: Outcome) -> None:
+    span.set("outcome", "succeeded" if outcome.success else "failed")
+    if outcome.stage is not None:
+        span.failed(f"handler failed at {outcome.stage.value}")
+
+
+def _note_report(span: CallSpan, report: HandleReport) -> None:
+    span.set("action", report.action)
+    span.set("status", None if report.status is None else str(report.status))
+
+
+def _call_log_fields(call: CallRecord) -> AbstractContextManager[None]:
+    return log_fields(session_id=call.key.session_id, turn_id=call.key.turn_id, call_id=call.key.call_id)
+
+
 def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR) -> Outcome:
     """The result the model gets for a failure: never the exception's own text."""
     if isinstance(error, ToolError):
         return failed(key, tool_error_message(error, redactor), FailureStage.EXECUTION)
     if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
-        return failed(key, validation_message(error), FailureStage.ARGUMENTS)
+        return failed(key, validation_message(error, redactor), FailureStage.ARGUMENTS)
     if isinstance(error, _HandlerTimeout):
         return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
     try:

@@ -28,6 +28,7 @@ from toolledger.domain.records import CallRecord
 from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import SessionGoneError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
+from toolledger.logs import log_fields
 from toolledger.runtime.executor import Executor, HandleReport, SubmitOutcome
 from toolledger.runtime.failures import log_failure
 from toolledger.store.sessions import SessionStore
@@ -36,6 +37,7 @@ log = logging.getLogger("toolledger.reconciler")
 
 RunCall = Callable[[str, Any], Awaitable[HandleReport | None]]
 LOGGED_ACTIONS_KEPT = 10_000
+DEFAULT_CONCURRENCY = 16
 
 
 @dataclass
@@ -45,6 +47,8 @@ class SessionReconciliation:
     status: str | None = None
     stopped: str | None = None
     """Why the session is no longer watched (failed or deleted), if it was stopped."""
+    known: dict[CallKey, CallRecord] = field(default_factory=dict)
+    """The session's open calls as the ledger held them before the session was read."""
 
 
 @dataclass
@@ -77,33 +81,57 @@ class Reconciler:
         *,
         run_call: RunCall | None = None,
         in_flight: Callable[[CallKey], bool] | None = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
         """``run_call`` runs a listed call (the service passes its bounded runner) and
-        ``in_flight`` tells which calls it is busy with (their submission may be on its way)."""
+        ``in_flight`` tells which calls it is busy with (their submission may be on its way).
+
+        ``concurrency``: sessions whose ledger and API reads are in progress at once. A
+        thousand sessions reconciling together (a timer tick, a restart) would otherwise queue
+        on the connection pool ahead of the calls' own outcome writes and time them out.
+        Running the listed calls is not counted: the call runner bounds that."""
         self.executor = executor
         self.gateway = gateway
         self.sessions = sessions
         self._run_call = run_call or executor.handle
         self._in_flight = in_flight or (lambda _key: False)
         self._logged: OrderedDict[tuple[str, ...], None] = OrderedDict()
+        self._slots = asyncio.Semaphore(concurrency)
 
     async def reconcile_session(self, session_id: str) -> SessionReconciliation:
+        with log_fields(session_id=session_id):
+            return await self._reconcile_session(session_id)
+
+    async def _reconcile_session(self, session_id: str) -> SessionReconciliation:
         result = SessionReconciliation(session_id)
+        async with self._slots:
+            listed = await self._read(result)
+        if listed is None:
+            return result
+        await self._run_listed(result, listed)
+        async with self._slots:
+            await self._settle_the_rest(result, listed)
+        return result
+
+    async def _read(self, result: SessionReconciliation) -> dict[CallKey, FunctionCallAction] | None:
+        """The session's open calls, then the session: what it lists (None once stopped)."""
+        session_id = result.session_id
         store = self.executor.store
-        known = {call.key: call for call in await store.open_calls(session_id)}
+        result.known = {call.key: call for call in await store.open_calls(session_id)}
+        known = result.known
         crash_point(CP_DURING_RECONCILE)
         try:
             session = await self.gateway.retrieve(session_id)
         except SessionGoneError:
             await self._stop(result, known.values(), "session deleted", status="deleted")
-            return result
+            return None
         result.status = session.status
         if session.status == "failed":
             # The API's failure text may quote anything: it is redacted before it is kept or logged.
             error = self.executor.store.redactor.text(session.error) if session.error else None
             reason = f"session failed: {error}" if error else "session failed"
             await self._stop(result, known.values(), reason, status="failed")
-            return result
+            return None
 
         listed: dict[CallKey, FunctionCallAction] = {}
         for action in session.required_actions:
@@ -112,8 +140,15 @@ class Reconciler:
             else:
                 self.note_foreign_action(session_id, action)
                 result.actions["left_alone"] += 1
-        await self._run_listed(result, listed)
-        unlisted = [key for key in known if key not in listed]
+        return listed
+
+    async def _settle_the_rest(
+        self, result: SessionReconciliation, listed: dict[CallKey, FunctionCallAction]
+    ) -> None:
+        """Open calls the session no longer lists: confirm, resubmit or abandon them."""
+        session_id = result.session_id
+        store = self.executor.store
+        unlisted = [key for key in result.known if key not in listed]
         busy = {key for key in unlisted if self._in_flight(key)}
         result.actions["in_flight"] += len(busy)
         # Read again: the snapshot predates the retrieve, and a call's own run may have moved
@@ -124,8 +159,7 @@ class Reconciler:
                 result.actions[await self._settle_unlisted(call)] += 1
         if not result.actions["in_flight"]:
             del result.actions["in_flight"]
-        await self.sessions.mark_polled(session_id, status=session.status)
-        return result
+        await self.sessions.mark_polled(session_id, status=result.status)
 
     async def reconcile_many(
         self,

@@ -31,6 +31,7 @@ from typing import Any
 from toolledger.errors import SessionGoneError, StreamInterruptedError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.ledger import ToolLedger
+from toolledger.logs import log_fields
 from toolledger.runtime.calls import CallRunner
 from toolledger.runtime.failures import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
@@ -265,6 +266,10 @@ class Service:
 
     async def _follow(self, session_id: str) -> None:
         """Follow one session's events until it fails, is deleted, or is no longer ours."""
+        with log_fields(session_id=session_id):
+            await self._follow_events(session_id)
+
+    async def _follow_events(self, session_id: str) -> None:
         seen: OrderedDict[str, None] = OrderedDict()
         delay = FIRST_RECONNECT_DELAY
         while True:
@@ -290,7 +295,11 @@ class Service:
                 if await self._reconcile(session_id) is None:
                     return
             except StreamInterruptedError as error:
-                log.info("session %s: event stream interrupted (%s); reconnecting", session_id, error)
+                log.info(
+                    "session %s: event stream interrupted (%s); reconnecting",
+                    session_id,
+                    self.ledger.redactor.text(str(error)),
+                )
             except Exception:
                 log_failure(log, "session %s: following failed; reconnecting", session_id)
             except BaseException as interruption:  # from a handler run during a reconcile
@@ -324,7 +333,8 @@ class Service:
         """Reconcile one session; None once it failed or was deleted (no longer followed)."""
         result = await self.reconciler.reconcile_session(session_id)
         if result.actions:
-            log.info("session %s reconciled: %s", session_id, dict(result.actions))
+            with log_fields(session_id=session_id):
+                log.info("session %s reconciled: %s", session_id, dict(result.actions))
         if result.stopped is not None:
             await self._drop(session_id)
             return None

@@ -18,6 +18,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 def create_engine(url: str, **options: Any) -> AsyncEngine:
     """An async engine; SQLite gets a durable WAL set-up, PostgreSQL pre-pings its pool."""
     parsed = make_url(url)
+    # A statement's parameters are tool arguments and outputs: kept out of every error text
+    # SQLAlchemy builds (and so out of logs and of what an operator is shown).
+    options.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "sqlite":
         engine = create_async_engine(url, **options)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
@@ -33,6 +36,10 @@ def is_transient(error: BaseException) -> bool:
     """The database is away for a moment (restarting, unreachable, SQLite locked too long):
     the same statement may succeed if tried again."""
     if isinstance(error, (exc.OperationalError, exc.InterfaceError)):
+        return True
+    if isinstance(error, exc.TimeoutError):
+        # Every pooled connection stayed busy past the pool's timeout: a burst of work, not
+        # a broken database. Dropping an outcome write for it would strand a stored result.
         return True
     return isinstance(error, exc.DBAPIError) and error.connection_invalidated
 

@@ -252,6 +252,12 @@ class LedgerStore:
             },
         )
 
+    async def reopen(self, key: CallKey, *, reason: str) -> CallRecord | None:
+        """An operator allows an ``unknown`` call to run again: it becomes claimable."""
+        return await self._transition(
+            key, [CallStatus.UNKNOWN], CallStatus.PENDING, reason, values={"lease_expires_at": None}
+        )
+
     async def expire_leases(self, key: CallKey | None = None) -> list[CallRecord]:
         """Running calls whose lease ran out without a result become ``unknown`` (one, or all)."""
         statement = tool_calls.update().where(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -17,6 +18,8 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    event,
+    func,
     or_,
     text,
 )
@@ -46,6 +49,11 @@ OPEN_CALL_SQL = (
     f"status IN ({', '.join(repr(s) for s in CLAIMABLE)}) OR (status = 'submitted' AND confirmed_at IS NULL)"
 )
 """Calls the session may still be waiting on: start-up recovery looks for their sessions."""
+
+
+PRUNABLE_SQL = "status IN ('submitted', 'abandoned')"
+"""Calls pruning may delete (``store.audit.PRUNABLE``, which must stay the same for its index to
+serve): their result was accepted, or nobody awaits them any more."""
 
 
 def open_call_clause() -> ColumnElement[bool]:
@@ -108,6 +116,40 @@ tool_calls = Table(
     ),
     Index("ix_tool_calls_created_at", "created_at"),
     Index("ix_tool_calls_tool_name_created_at", "tool_name", "created_at"),
+    # Audit views at millions of calls (benchmarks/audit.py times each one):
+    # `calls show CALL_ID` names a call by its id alone, the key's last column.
+    Index("ix_tool_calls_call_id", "call_id"),
+    # Listings sorted by status or by tool are paged in (value, key) order: these indexes hold
+    # that order, so any page reads its own rows instead of sorting every call.
+    Index("ix_tool_calls_status_key", "status", "session_id", "turn_id", "call_id"),
+    Index("ix_tool_calls_tool_name_key", "tool_name", "session_id", "turn_id", "call_id"),
+    # Pruning deletes finished calls last changed before a moment, a batch at a time: without
+    # this each batch would scan the table from its start again.
+    Index(
+        "ix_tool_calls_prunable",
+        "updated_at",
+        postgresql_where=text(PRUNABLE_SQL),
+        sqlite_where=text(PRUNABLE_SQL),
+    ),
+)
+
+SEARCH_COLUMNS = ("tool_name", "session_id", "turn_id", "call_id")
+"""What the audit views' free-text search matches a substring of (lowercased)."""
+
+# The audit search matches a substring anywhere, which no B-tree can find: trigrams can, for a
+# term of three characters or more. PostgreSQL only (pg_trgm ships with it); on SQLite a
+# search scans the table.
+Index(
+    "ix_tool_calls_search",
+    *(func.lower(tool_calls.c[name]).label(name) for name in SEARCH_COLUMNS),
+    postgresql_using="gin",
+    postgresql_ops=dict.fromkeys(SEARCH_COLUMNS, "gin_trgm_ops"),
+).ddl_if(dialect="postgresql")
+event.listen(
+    tool_calls,
+    "before_create",
+    DDL("CREATE EXTENSION IF NOT EXISTS pg_trgm").execute_if(dialect="postgresql"),  # type: ignore[no-untyped-call]
+    propagate=True,  # copies of the table (``to_metadata``) need the extension as well
 )
 
 tool_call_events = Table(

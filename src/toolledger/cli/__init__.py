@@ -16,15 +16,32 @@ import click
 from pydantic import ValidationError
 
 from toolledger import __version__
-from toolledger.errors import ToolLedgerError
+from toolledger.cli.api import api
+from toolledger.cli.calls import calls
+from toolledger.cli.common import (
+    LOG_LEVELS,
+    aware,
+    base_url_option,
+    configure_logging,
+    database_option,
+    ensure_schema,
+    first_line,
+    iso,
+    load_tools,
+    masked_url,
+    run,
+    settings_from,
+)
+from toolledger.cli.config import config
+from toolledger.cli.demo import demo
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.settings import Settings
 
 T = TypeVar("T")
-
-LOG_LEVELS = click.Choice(["critical", "error", "warning", "info", "debug"])
 
 
 @click.group(context_settings={"auto_envvar_prefix": "TOOLLEDGER", "help_option_names": ["-h", "--help"]})
@@ -79,7 +96,7 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
 
     from toolledger.store import migrate as migrations
 
-    settings = _settings(database_url=database_url)
+    settings = settings_from(database_url=database_url)
     url = settings.database_url
     try:
         before = migrations.current_revision(url)
@@ -89,67 +106,8 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
             migrations.upgrade(url, revision)
         after = migrations.current_revision(url)
     except SQLAlchemyError as error:
-        raise click.ClickException(f"cannot migrate {_masked(url)}: {_first_line(error)}") from None
+        raise click.ClickException(f"cannot migrate {masked_url(url)}: {first_line(error)}") from None
     click.echo(f"ledger schema: {before or 'empty'} -> {after or 'empty'}")
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _settings(**overrides: Any) -> Settings:
-    """Settings from the environment, with the command line's flags on top."""
-    from toolledger.settings import Settings
-
-    try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as error:
-        raise click.UsageError(f"invalid configuration:\n{error}") from None
-
-
-def _run(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine; toolledger's own errors and an unreachable database end it
-    with a one-line message, no traceback."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from toolledger.domain.redaction import redact_text
-
-    try:
-        return asyncio.run(coroutine)
-    except ToolLedgerError as error:
-        raise click.ClickException(str(error)) from None
-    except SQLAlchemyError as error:
-        reason = redact_text(_first_line(getattr(error, "orig", None) or error))
-        raise click.ClickException(f"the ledger database is unavailable: {reason}") from None
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    # One line per HTTP request drowns everything else out.
-    # aiosqlite's DEBUG lines carry statement parameters: tool arguments and outputs.
-    for noisy in ("httpx", "httpx2", "openai", "alembic", "aiosqlite"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
-def _load_tools(reference: str | None) -> ToolRegistry:
-    from toolledger.runtime.loading import load_registry
-    from toolledger.runtime.registry import ToolRegistry
-
-    if reference is None:
-        return ToolRegistry()
-    try:
-        return load_registry(reference)
-    except ToolLedgerError as error:
-        raise click.BadParameter(str(error), param_hint="--tools") from None
-
-
-database_option = click.option(
-    "--database-url", default=None, help="Ledger database (default: TOOLLEDGER_DATABASE_URL or SQLite)."
-)
-base_url_option = click.option(
-    "--base-url", default=None, help="Agents API base URL (default: TOOLLEDGER_OPENAI_BASE_URL or OpenAI)."
-)
 
 
 # ----------------------------------------------------------------------- serve
@@ -168,6 +126,14 @@ base_url_option = click.option(
 @base_url_option
 @click.option("--concurrency", type=click.IntRange(1), default=None, help="Handlers run at once.")
 @click.option("--grace", type=click.FloatRange(0), default=None, help="Seconds running calls get on SIGTERM.")
+@click.option("--api", "with_api", is_flag=True, help="Also serve the audit HTTP API and web view.")
+@click.option("--api-host", default=None, help="Audit API address (default: TOOLLEDGER_API_HOST, 127.0.0.1).")
+@click.option(
+    "--api-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Audit API port; 0 picks a free one (default: TOOLLEDGER_API_PORT or 8700).",
+)
 @click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
 def serve(
     tools_reference: str,
@@ -176,18 +142,24 @@ def serve(
     base_url: str | None,
     concurrency: int | None,
     grace: float | None,
+    with_api: bool,
+    api_host: str | None,
+    api_port: int | None,
     log_level: str,
 ) -> None:
     """Follow watched sessions and run their function calls durably, until SIGTERM/SIGINT."""
-    _configure_logging(log_level)
-    registry = _load_tools(tools_reference)
-    settings = _settings(
+    registry = load_tools(tools_reference)
+    settings = settings_from(
         database_url=database_url,
         openai_base_url=base_url,
         max_concurrent_calls=concurrency,
         shutdown_grace_seconds=grace,
+        api_host=api_host,
+        api_port=api_port,
     )
-    cut_off = _run(_serve(registry, settings, watch_ids))
+    configure_logging(log_level, settings)
+    api_app = _audit_app(settings, registry) if with_api else None
+    cut_off = run(_serve(registry, settings, watch_ids, api_app, log_level))
     if cut_off:
         # A handler thread cut off at shutdown may never return: don't wait for it.
         logging.shutdown()
@@ -197,7 +169,26 @@ def serve(
         os._exit(0)
 
 
-async def _serve(registry: ToolRegistry, settings: Settings, watch_ids: tuple[str, ...]) -> int:
+def _audit_app(settings: Settings, registry: ToolRegistry) -> FastAPI:
+    """Built before the service starts, so a refused exposure (no token off loopback) stops
+    `serve` at once with a usage error instead of after it has claimed work."""
+    from toolledger.audit.api import create_app
+    from toolledger.audit.auth import ApiConfigurationError
+
+    try:
+        # With the registry, an operator's re-run executes in this process, under its limits.
+        return create_app(settings, registry=registry)
+    except ApiConfigurationError as error:
+        raise click.UsageError(str(error)) from None
+
+
+async def _serve(
+    registry: ToolRegistry,
+    settings: Settings,
+    watch_ids: tuple[str, ...],
+    api_app: FastAPI | None = None,
+    log_level: str = "info",
+) -> int:
     from toolledger.runtime.service import Service
 
     service = Service(registry, settings)
@@ -206,6 +197,7 @@ async def _serve(registry: ToolRegistry, settings: Settings, watch_ids: tuple[st
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    api_task = _start_api(api_app, settings, stop, log_level) if api_app is not None else None
     try:
         for session_id in watch_ids:
             await service.watch(session_id)
@@ -213,7 +205,35 @@ async def _serve(registry: ToolRegistry, settings: Settings, watch_ids: tuple[st
         logging.getLogger("toolledger.service").info("shutting down (signal received)")
     finally:
         cut_off = await service.stop()
+        if api_task is not None:
+            await _finish_api(api_task, settings)
     return cut_off
+
+
+def _start_api(app: FastAPI, settings: Settings, stop: asyncio.Event, log_level: str) -> asyncio.Task[None]:
+    from toolledger.audit.api import serve_api
+
+    def listening(host: str, port: int) -> None:
+        shown = f"[{host}]" if ":" in host else host
+        click.echo(f"audit API: http://{shown}:{port}")
+
+    task = asyncio.create_task(
+        serve_api(
+            app, settings.api_host, settings.api_port, stop=stop, on_listening=listening, log_level=log_level
+        )
+    )
+    # The API failing to listen (port taken) must not leave a service no one asked for half up.
+    task.add_done_callback(lambda _: stop.set())
+    return task
+
+
+async def _finish_api(task: asyncio.Task[None], settings: Settings) -> None:
+    try:
+        await task
+    except OSError as error:
+        raise click.ClickException(
+            f"cannot listen on {settings.api_host}:{settings.api_port}: {error.strerror or error}"
+        ) from None
 
 
 # -------------------------------------------------------------------- sessions
@@ -229,14 +249,14 @@ def sessions() -> None:
 @database_option
 def sessions_watch(session_ids: tuple[str, ...], database_url: str | None) -> None:
     """Have the service follow these sessions (a running `serve` picks them up within a second)."""
-    settings = _settings(database_url=database_url)
+    settings = settings_from(database_url=database_url)
 
     async def watch(store: SessionStoreT) -> None:
         for session_id in session_ids:
             added = await store.watch(session_id)
             click.echo(f"{session_id}: {'watched' if added else 'already watched'}")
 
-    _run(_with_sessions(settings, watch))
+    run(_with_sessions(settings, watch))
 
 
 @sessions.command("unwatch")
@@ -245,14 +265,14 @@ def sessions_watch(session_ids: tuple[str, ...], database_url: str | None) -> No
 @database_option
 def sessions_unwatch(session_ids: tuple[str, ...], reason: str, database_url: str | None) -> None:
     """Stop following these sessions (their calls stay in the ledger as they are)."""
-    settings = _settings(database_url=database_url)
+    settings = settings_from(database_url=database_url)
 
     async def unwatch(store: SessionStoreT) -> None:
         for session_id in session_ids:
             removed = await store.unwatch(session_id, reason)
             click.echo(f"{session_id}: {'unwatched' if removed else 'was not watched'}")
 
-    _run(_with_sessions(settings, unwatch))
+    run(_with_sessions(settings, unwatch))
 
 
 @sessions.command("list")
@@ -261,7 +281,7 @@ def sessions_unwatch(session_ids: tuple[str, ...], reason: str, database_url: st
 @database_option
 def sessions_list(show_all: bool, as_json: bool, database_url: str | None) -> None:
     """The watched sessions, who follows each, and when it was last reconciled."""
-    settings = _settings(database_url=database_url)
+    settings = settings_from(database_url=database_url)
 
     async def listing(store: SessionStoreT) -> None:
         found = await store.find(watched=None if show_all else True)
@@ -279,7 +299,7 @@ def sessions_list(show_all: bool, as_json: bool, database_url: str | None) -> No
                 f"{r.owner or '-':<30} {r.reason or ''}"
             )
 
-    _run(_with_sessions(settings, listing))
+    run(_with_sessions(settings, listing))
 
 
 if TYPE_CHECKING:
@@ -295,27 +315,12 @@ async def _with_sessions(
     from toolledger.store.engine import create_engine
     from toolledger.store.sessions import SessionStore
 
-    await _ensure_schema(settings)
+    await ensure_schema(settings)
     engine = create_engine(settings.database_url)
     try:
         await action(SessionStore(engine))
     finally:
         await engine.dispose()
-
-
-async def _ensure_schema(settings: Settings) -> None:
-    from sqlalchemy.engine import make_url
-
-    from toolledger.ledger import SchemaNotCurrentError
-    from toolledger.store import migrate as migrations
-
-    url = settings.database_url
-    if make_url(url).get_backend_name() == "sqlite":
-        await asyncio.to_thread(migrations.upgrade, url)
-    elif not await asyncio.to_thread(migrations.is_current, url):
-        raise SchemaNotCurrentError(
-            "the ledger database is not at the current schema revision: run `toolledger migrate`"
-        )
 
 
 def _session_json(record: SessionRecord) -> dict[str, Any]:
@@ -324,16 +329,10 @@ def _session_json(record: SessionRecord) -> dict[str, Any]:
         "watched": record.watched,
         "status": record.status,
         "owner": record.owner,
-        "lease_expires_at": _iso(record.lease_expires_at),
-        "last_polled_at": _iso(record.last_polled_at),
+        "lease_expires_at": iso(record.lease_expires_at),
+        "last_polled_at": iso(record.last_polled_at),
         "reason": record.reason,
     }
-
-
-def _iso(moment: datetime | None) -> str | None:
-    if moment is None:
-        return None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
 
 
 # ------------------------------------------------------------------- reconcile
@@ -365,10 +364,10 @@ def reconcile(
 ) -> None:
     """One reconciliation pass over every watched session (and every session with open calls),
     then a summary of what it did."""
-    _configure_logging(log_level)
-    registry = _load_tools(tools_reference)
-    settings = _settings(database_url=database_url, openai_base_url=base_url)
-    summary = _run(
+    registry = load_tools(tools_reference)
+    settings = settings_from(database_url=database_url, openai_base_url=base_url)
+    configure_logging(log_level, settings)
+    summary = run(
         _reconcile(
             registry, settings, list(session_ids), concurrency, run_handlers=tools_reference is not None
         )
@@ -431,8 +430,8 @@ async def _reconcile(
 def status(as_json: bool, database_url: str | None) -> None:
     """Is the ledger reachable and current, which replicas are alive, what waits. Exits 1 when
     the database is unreachable or its schema is not current."""
-    settings = _settings(database_url=database_url)
-    report = _run(_status(settings))
+    settings = settings_from(database_url=database_url)
+    report = run(_status(settings))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -469,6 +468,7 @@ def status(as_json: bool, database_url: str | None) -> None:
 
 async def _status(settings: Settings) -> dict[str, Any]:
     from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER
+    from toolledger.ledger import configured_redactor
     from toolledger.store import migrate as migrations
     from toolledger.store.engine import create_engine
     from toolledger.store.ledger import LedgerStore
@@ -476,13 +476,20 @@ async def _status(settings: Settings) -> dict[str, Any]:
 
     url = settings.database_url
     report: dict[str, Any] = {"database_reachable": False, "schema_current": False, "replicas": []}
+    missing = _missing_sqlite_file(url)
+    if missing is not None:
+        # Opening it would create an empty file: a typo in the path would look like a new ledger.
+        report["error"] = f"no ledger file at {missing} (`toolledger migrate` creates one)"
+        return report
     try:
         revision = await asyncio.to_thread(migrations.current_revision, url)
         report["database_reachable"] = True
         report["schema_revision"] = revision
         report["schema_current"] = revision == migrations.head_revision(url)
     except Exception as error:
-        report["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        report["error"] = configured_redactor(settings).text(
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        )
         return report
     if not report["schema_current"]:
         return report
@@ -493,7 +500,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         watched = await sessions_store.find(watched=True)
         owners: dict[str, int] = {}
         for record in watched:
-            if record.owner and record.lease_expires_at and _aware(record.lease_expires_at) > now:
+            if record.owner and record.lease_expires_at and aware(record.lease_expires_at) > now:
                 owners[record.owner] = owners.get(record.owner, 0) + 1
         report["replicas"] = [
             {
@@ -501,7 +508,8 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "hostname": r.hostname,
                 "pid": r.pid,
                 "sessions": owners.get(r.replica_id, 0),
-                "heartbeat_age_seconds": (now - _aware(r.heartbeat_at)).total_seconds(),
+                # The heartbeat is stamped by another clock: never report it from the future.
+                "heartbeat_age_seconds": max(0.0, (now - aware(r.heartbeat_at)).total_seconds()),
             }
             for r in await sessions_store.live_replicas()
         ]
@@ -512,30 +520,24 @@ async def _status(settings: Settings) -> dict[str, Any]:
         report["unconfirmed_calls"] = await ledger.count_unconfirmed(UNCONFIRMED_ALERT_AFTER)
         oldest = await ledger.oldest_unsubmitted()
         report["oldest_unsubmitted_age_seconds"] = (
-            None if oldest is None else (now - _aware(oldest)).total_seconds()
+            None if oldest is None else max(0.0, (now - aware(oldest)).total_seconds())
         )
     finally:
         await engine.dispose()
     return report
 
 
-def _masked(url: str) -> str:
+def _missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite ledger file that does not exist (None if it exists or is not SQLite)."""
     from sqlalchemy.engine import make_url
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "the database"
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return None if Path(parsed.database).exists() else parsed.database
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
-if __name__ == "__main__":
-    main()
+main.add_command(calls)
+main.add_command(api)
+main.add_command(config)
+main.add_command(demo)

@@ -1,0 +1,299 @@
+"""One audit service behind the CLI, the HTTP API and the web view.
+
+Reads go through ``AuditStore``; the one write an operator makes on a call (resolving an
+``unknown`` outcome) goes through the ledger's own transition, recorded with the operator's
+name and reason, then submitted like any stored result.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from toolledger.audit.views import (
+    CallDetail,
+    CallPage,
+    CallView,
+    SessionView,
+    call_view,
+    event_view,
+    session_view,
+)
+from toolledger.domain.queries import CallQuery, CallReference, QueryError
+from toolledger.domain.records import CallRecord
+from toolledger.domain.redaction import Redactor
+from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
+from toolledger.domain.states import CallStatus
+from toolledger.errors import CallNotFoundError, ToolLedgerError
+from toolledger.gateway.agents import AgentsGateway
+from toolledger.runtime.executor import Executor, SubmitOutcome
+from toolledger.runtime.registry import ToolRegistry
+from toolledger.settings import Settings
+from toolledger.store.audit import AuditStore
+from toolledger.store.ledger import LedgerStore
+from toolledger.store.sessions import SessionStore
+
+log = logging.getLogger(__name__)
+
+MAX_OPERATOR_CHARS = 100
+MAX_REASON_CHARS = 2000
+
+
+class AmbiguousCallError(ToolLedgerError):
+    code = "ambiguous_call"
+
+
+class NotResolvableError(ToolLedgerError):
+    """Only a call whose outcome is ``unknown`` can be resolved by an operator."""
+
+    code = "not_resolvable"
+
+
+class ResolutionKind(StrEnum):
+    OUTPUT = "output"
+    """The operator checked: it happened; this is what the model is told it returned."""
+    ERROR = "error"
+    """The operator checked: it did not happen (or failed); the model gets this message."""
+    RERUN = "rerun"
+    """The operator judged a second run safe: the call runs again."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    kind: ResolutionKind
+    operator: str
+    reason: str
+    text: str | None = None
+    """The output (OUTPUT) or the error message (ERROR)."""
+
+    def __post_init__(self) -> None:
+        if not self.operator.strip() or len(self.operator) > MAX_OPERATOR_CHARS:
+            raise QueryError(f"operator must be 1 to {MAX_OPERATOR_CHARS} characters")
+        if not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
+            raise QueryError(f"a reason (1 to {MAX_REASON_CHARS} characters) is required")
+        if self.kind is ResolutionKind.RERUN and self.text is not None:
+            raise QueryError("a re-run takes no output or error text")
+        if self.kind is not ResolutionKind.RERUN and self.text is None:
+            raise QueryError(f"a resolution by {self.kind.value} needs its text")
+        if self.kind is ResolutionKind.ERROR and (not self.text or len(self.text) > TOOL_ERROR_MAX_CHARS):
+            raise QueryError(f"an error message must be 1 to {TOOL_ERROR_MAX_CHARS} characters")
+
+
+@dataclass(frozen=True)
+class ResolveReport:
+    call: CallView
+    action: str
+    """``submitted``, ``abandoned`` (the session no longer awaits it), ``submit_failed`` (left
+    for the reconciler), ``not_sent`` (no Agents API configured: the service submits it),
+    ``rerun`` (ran again here and submitted), ``left_for_service`` (re-run by ``serve``)."""
+
+
+class AuditService:
+    """List, show, export, resolve and prune calls; list and watch sessions."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        settings: Settings,
+        *,
+        redactor: Redactor,
+        gateway: AgentsGateway | None = None,
+        registry: ToolRegistry | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.redactor = redactor
+        self.gateway = gateway
+        self.registry = registry
+        self.store = AuditStore(engine)
+        self.sessions = SessionStore(engine)
+
+    # ------------------------------------------------------------------ reads
+
+    async def list_calls(self, query: CallQuery) -> CallPage:
+        page = await self.store.list_calls(query)
+        return CallPage(
+            calls=[call_view(c, self.redactor) for c in page.calls],
+            next_cursor=page.next_cursor.encode() if page.next_cursor else None,
+        )
+
+    async def iter_calls(self, query: CallQuery) -> AsyncIterator[CallView]:
+        async for call in self.store.iter_calls(query):
+            yield call_view(call, self.redactor)
+
+    async def export(self, query: CallQuery, fmt: str) -> AsyncIterator[str]:
+        """Lines of JSON or CSV (header first), one call each, streamed in batches."""
+        if fmt not in ("jsonl", "csv"):
+            raise QueryError(f"unknown export format {fmt!r}: choose jsonl or csv")
+        if fmt == "csv":
+            yield _csv_line(CSV_COLUMNS)
+        async for view in self.iter_calls(query):
+            if fmt == "jsonl":
+                yield view.model_dump_json() + "\n"
+            else:
+                yield _csv_line(_csv_row(view))
+
+    async def show(self, reference: str | CallReference) -> CallDetail:
+        call = await self.find_one(reference)
+        events = await self.store.events(call.key)
+        return CallDetail(
+            call=call_view(call, self.redactor), timeline=[event_view(e, self.redactor) for e in events]
+        )
+
+    async def find_one(self, reference: str | CallReference) -> CallRecord:
+        ref = CallReference.parse(reference) if isinstance(reference, str) else reference
+        found = await self.store.find(ref)
+        if not found:
+            raise CallNotFoundError(f"no call matches {_named(ref)}")
+        if len(found) > 1:
+            keys = ", ".join(str(c.key) for c in found[:5])
+            raise AmbiguousCallError(
+                f"{_named(ref)} names {len(found)} calls ({keys}): give SESSION/TURN/CALL"
+            )
+        return found[0]
+
+    async def session_list(self, *, watched: bool | None = None, limit: int = 100) -> list[SessionView]:
+        return [
+            session_view(s, self.redactor)
+            for s in await self.store.session_summaries(watched=watched, limit=limit)
+        ]
+
+    async def session(self, session_id: str) -> SessionView:
+        found = await self.store.session_summaries([session_id])
+        if not found:
+            raise CallNotFoundError(f"no session {session_id!r} in the ledger")
+        return session_view(found[0], self.redactor)
+
+    async def watch(self, session_id: str) -> bool:
+        return await self.sessions.watch(session_id)
+
+    async def unwatch(self, session_id: str, reason: str) -> bool:
+        return await self.sessions.unwatch(session_id, reason)
+
+    # ----------------------------------------------------------------- writes
+
+    async def resolve(self, reference: str | CallReference, resolution: Resolution) -> ResolveReport:
+        """Settle an ``unknown`` call as the operator says, on the record, then submit it."""
+        call = await self.find_one(reference)
+        if call.status is not CallStatus.UNKNOWN:
+            raise NotResolvableError(
+                f"call {call.key} is {call.status.value}: only an unknown outcome can be resolved"
+            )
+        operator_store = LedgerStore(
+            self.engine, actor=f"operator:{resolution.operator}", redactor=self.redactor
+        )
+        why = f"resolved by operator ({resolution.kind.value}): {resolution.reason}"
+        if resolution.kind is ResolutionKind.RERUN:
+            reopened = await operator_store.reopen(call.key, reason=why)
+            if reopened is None:
+                raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
+            if self.registry is None:
+                return ResolveReport(call_view(reopened, self.redactor), "left_for_service")
+            report = await self._executor(operator_store).handle_recorded(reopened)
+            latest = await self.find_one(CallReference(key=call.key))
+            return ResolveReport(
+                call_view(latest, self.redactor), "rerun" if report.submitted else report.action
+            )
+        assert resolution.text is not None
+        outcome = (
+            succeeded(call.key, resolution.text)
+            if resolution.kind is ResolutionKind.OUTPUT
+            else failed(call.key, resolution.text, FailureStage.RECOVERY)
+        )
+        settled = await operator_store.settle(call.key, outcome, reason=why)
+        if settled is None:
+            raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
+        submitted = await self._executor(operator_store).submit(settled, listed=False)
+        latest = await self.find_one(CallReference(key=call.key))
+        return ResolveReport(call_view(latest, self.redactor), _RESOLVE_ACTIONS[submitted])
+
+    async def prune(self, older_than: timedelta, *, dry_run: bool = False, progress: Any = None) -> int:
+        if older_than <= timedelta(0):
+            raise QueryError("older-than must be a positive duration")
+        before = datetime.now(UTC) - older_than
+        return await self.store.prune(before, dry_run=dry_run, progress=progress)
+
+    def _executor(self, store: LedgerStore) -> Executor:
+        return Executor(
+            self.registry or ToolRegistry(),
+            store,
+            self.gateway,
+            self.settings,
+            run_handlers=self.registry is not None,
+        )
+
+
+_RESOLVE_ACTIONS = {
+    SubmitOutcome.SUBMITTED: "submitted",
+    SubmitOutcome.ABANDONED: "abandoned",
+    SubmitOutcome.FAILED: "submit_failed",
+    SubmitOutcome.NOT_SENT: "not_sent",
+}
+
+CSV_COLUMNS = [
+    "id",
+    "session_id",
+    "turn_id",
+    "call_id",
+    "tool_name",
+    "effect_class",
+    "status",
+    "attempts",
+    "created_at",
+    "finished_at",
+    "submitted_at",
+    "confirmed_at",
+    "submissions",
+    "arguments",
+    "result",
+    "error_stage",
+    "error_detail",
+    "abandoned_reason",
+]
+
+
+def _csv_row(view: CallView) -> list[str]:
+    data = view.model_dump(mode="json")
+    row = []
+    for column in CSV_COLUMNS:
+        value = data[column]
+        if isinstance(value, dict | list):
+            value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        row.append(_spreadsheet_safe("" if value is None else str(value)))
+    return row
+
+
+def _spreadsheet_safe(cell: str) -> str:
+    """A cell a spreadsheet would run as a formula (=, +, -, @) is quoted as text."""
+    return "'" + cell if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
+
+
+def _csv_line(cells: list[str]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(cells)
+    return buffer.getvalue()
+
+
+def _named(ref: CallReference) -> str:
+    if ref.key is not None:
+        return str(ref.key)
+    return repr(ref.idempotency_prefix or ref.call_id)
+
+
+__all__ = [
+    "AmbiguousCallError",
+    "AuditService",
+    "NotResolvableError",
+    "Resolution",
+    "ResolutionKind",
+    "ResolveReport",
+]

@@ -1,0 +1,177 @@
+"""What audit views show of a call: masked for display, never the stored bytes themselves.
+
+The ledger keeps a result byte for byte (it must be resubmitted exactly); every view, export
+and API answer is built here, through the configured redactor, so none can forget to mask.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, Field
+
+from toolledger.domain.records import CallEvent, CallRecord
+from toolledger.domain.redaction import Redactor
+from toolledger.store.audit import SessionSummary
+
+
+def _as_utc(moment: datetime) -> datetime:
+    """SQLite returns the ledger's UTC times without their zone: say which zone they are in."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+Utc = Annotated[datetime, AfterValidator(_as_utc)]
+
+
+class CallView(BaseModel):
+    id: str = Field(description="The call's idempotency key: names it in `calls show` and the API.")
+    session_id: str
+    turn_id: str
+    call_id: str
+    tool_name: str
+    effect_class: str
+    status: str
+    needs_operator: bool = Field(description="Outcome unknown: an operator must resolve it.")
+    attempts: int
+    created_at: Utc
+    started_at: Utc | None
+    finished_at: Utc | None
+    submitted_at: Utc | None
+    confirmed_at: Utc | None
+    submissions: int
+    last_submission_error: str | None
+    arguments: Any = Field(description="As recorded, with secret fields masked.")
+    result: Any = Field(description="The tool_result payload as submitted, with secret fields masked.")
+    error_stage: str | None
+    error_detail: str | None
+    abandoned_reason: str | None
+    lease_owner: str | None
+    lease_expires_at: Utc | None
+
+
+class EventView(BaseModel):
+    id: int
+    at: Utc
+    actor: str
+    kind: str
+    from_status: str | None
+    to_status: str | None
+    lease_token: int | None
+    reason: str | None
+    detail: str | None
+
+
+class CallDetail(BaseModel):
+    call: CallView
+    timeline: list[EventView] = Field(description="Every transition and submission attempt, in order.")
+
+
+class CallPage(BaseModel):
+    calls: list[CallView]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last.")
+
+
+class SessionView(BaseModel):
+    session_id: str
+    watched: bool | None
+    owner: str | None
+    status: str | None
+    reason: str | None
+    last_polled_at: Utc | None
+    calls: dict[str, int]
+
+
+SUBMISSION_EVENT_KINDS = frozenset({"submission", "submission_failed", "resubmission", "confirmed"})
+
+
+def call_view(call: CallRecord, redactor: Redactor) -> CallView:
+    return CallView(
+        id=call.idempotency_key,
+        session_id=call.key.session_id,
+        turn_id=call.key.turn_id,
+        call_id=call.key.call_id,
+        tool_name=call.tool_name,
+        effect_class=call.effect_class.value,
+        status=call.status.value,
+        needs_operator=call.status.value == "unknown",
+        attempts=call.attempt_count,
+        created_at=call.created_at,
+        started_at=call.started_at,
+        finished_at=call.finished_at,
+        submitted_at=call.submitted_at,
+        confirmed_at=call.confirmed_at,
+        submissions=call.submission_count,
+        last_submission_error=_text(call.last_submission_error, redactor),
+        arguments=masked_json(call.arguments, redactor),
+        result=masked_json(call.result, redactor) if call.result is not None else None,
+        error_stage=call.error_stage,
+        error_detail=_text(call.error_detail, redactor),
+        abandoned_reason=_text(call.abandoned_reason, redactor),
+        lease_owner=call.lease_owner,
+        lease_expires_at=call.lease_expires_at,
+    )
+
+
+def event_view(event: CallEvent, redactor: Redactor) -> EventView:
+    return EventView(
+        id=event.id,
+        at=event.at,
+        actor=event.actor,
+        kind=event.kind,
+        from_status=event.from_status,
+        to_status=event.to_status,
+        lease_token=event.lease_token,
+        # Written redacted already; masked again with today's configuration.
+        reason=_text(event.reason, redactor),
+        detail=_text(event.detail, redactor),
+    )
+
+
+def session_view(summary: SessionSummary, redactor: Redactor) -> SessionView:
+    return SessionView(
+        session_id=summary.session_id,
+        watched=summary.watched,
+        owner=summary.owner,
+        status=summary.status,
+        reason=_text(summary.reason, redactor),
+        last_polled_at=summary.last_polled_at,
+        calls=summary.calls,
+    )
+
+
+def masked_json(text: str, redactor: Redactor) -> Any:
+    """JSON text as a value with secret fields masked, including JSON nested in strings (a
+    tool's output is often JSON text inside the payload); other text as masked text."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return redactor.text(text)
+    return _mask_nested(value, redactor)
+
+
+def _mask_nested(value: Any, redactor: Redactor) -> Any:
+    if isinstance(value, dict):
+        return {
+            key: "[REDACTED]"
+            if isinstance(key, str) and redactor.is_secret(key)
+            else _mask_nested(item, redactor)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_mask_nested(item, redactor) for item in value]
+    if isinstance(value, str):
+        stripped = value.lstrip()
+        if stripped[:1] in ("{", "["):
+            try:
+                inner = json.loads(value)
+            except (ValueError, RecursionError):
+                return redactor.text(value)
+            return json.dumps(_mask_nested(inner, redactor), ensure_ascii=False, separators=(",", ":"))
+        return redactor.text(value)
+    return value
+
+
+def _text(text: str | None, redactor: Redactor) -> str | None:
+    return None if text is None else redactor.text(text)

@@ -1,0 +1,696 @@
+"""``toolledger calls``: list, show, export, resolve and prune the ledger's calls.
+
+Every command first turns what was typed into the audit core's values (``CallQuery``,
+``Resolution``, a duration), so a mistake exits 2 before the database is touched; then it
+runs one ``AuditService`` operation. Nothing is printed that the audit views did not mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import getpass
+import os
+import sys
+import time
+import unicodedata
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from toolledger.cli.common import (
+    LOG_LEVELS,
+    base_url_option,
+    configure_logging,
+    database_option,
+    ensure_schema,
+    load_tools,
+    run,
+    settings_from,
+)
+from toolledger.domain.queries import (
+    DEFAULT_PAGE,
+    MAX_PAGE,
+    CallQuery,
+    Cursor,
+    QueryError,
+    parse_duration,
+    parse_effect_classes,
+    parse_moment,
+    parse_sort,
+    parse_statuses,
+)
+from toolledger.domain.states import CallStatus
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
+
+    from toolledger.audit.service import AuditService, Resolution, ResolveReport
+    from toolledger.audit.views import CallDetail, CallPage
+    from toolledger.runtime.registry import ToolRegistry
+    from toolledger.settings import Settings
+
+T = TypeVar("T")
+
+ID_PREFIX_CHARS = len("tl_") + 12
+"""Enough of the idempotency key to tell calls apart at a glance and to name one in `show`."""
+PROGRESS_EVERY_SECONDS = 0.5
+UNLIMITED_WIDTH = 100_000
+
+
+@click.group()
+def calls() -> None:
+    """Audit past tool executions and settle calls whose outcome is unknown."""
+
+
+# --------------------------------------------------------------------- filters
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The filter flags as typed; ``query`` checks and converts them."""
+
+    session: str | None
+    turn: str | None
+    tools: tuple[str, ...]
+    statuses: tuple[str, ...]
+    effect_classes: tuple[str, ...]
+    since: str | None
+    until: str | None
+    unknown_only: bool
+    search: str | None
+    sort: str
+
+    def query(self, *, limit: int = DEFAULT_PAGE, cursor: str | None = None) -> CallQuery:
+        """The CallQuery these flags ask for; bad input is a usage error (exit 2)."""
+        for hint, value in (("--session", self.session), ("--turn", self.turn), ("--search", self.search)):
+            _check_text(value, hint)
+        for tool in self.tools:
+            _check_text(tool, "--tool")
+        now = datetime.now(UTC)
+        statuses = _parsed("--status", parse_statuses, self.statuses)
+        if self.unknown_only:
+            if statuses and CallStatus.UNKNOWN not in statuses:
+                raise click.UsageError("--unknown lists only unknown calls: it contradicts --status")
+            statuses = (CallStatus.UNKNOWN,)
+        sort, descending = _parsed("--sort", parse_sort, self.sort)
+        try:
+            return CallQuery(
+                session_id=self.session,
+                turn_id=self.turn,
+                tool_names=self.tools,
+                statuses=statuses,
+                effect_classes=_parsed("--effect-class", parse_effect_classes, self.effect_classes),
+                since=None if self.since is None else _parsed("--since", parse_moment, self.since, now),
+                until=None if self.until is None else _parsed("--until", parse_moment, self.until, now),
+                text=self.search,
+                sort=sort,
+                descending=descending,
+                limit=limit,
+                cursor=None if cursor is None else _parsed("--cursor", Cursor.decode, cursor),
+            )
+        except QueryError as error:
+            raise click.UsageError(str(error)) from None
+
+
+FILTER_OPTIONS = (
+    click.option("--session", default=None, help="Only calls of this session."),
+    click.option("--turn", default=None, help="Only calls of this turn."),
+    click.option("--tool", "tools", multiple=True, help="Only this tool (repeatable)."),
+    click.option(
+        "--status",
+        "statuses",
+        multiple=True,
+        help="Only these states (repeatable or comma-separated): "
+        + ", ".join(status.value for status in CallStatus)
+        + ".",
+    ),
+    click.option(
+        "--effect-class",
+        "effect_classes",
+        multiple=True,
+        help="Only these effect classes (repeatable or comma-separated).",
+    ),
+    click.option("--since", default=None, help="Recorded at or after: ISO 8601, or a duration ago (24h)."),
+    click.option("--until", default=None, help="Recorded before: ISO 8601, or a duration ago (7d)."),
+    click.option("--unknown", "unknown_only", is_flag=True, help="Only calls whose outcome is unknown."),
+    click.option("--search", default=None, help="Text in the tool name or the session, turn or call id."),
+    click.option(
+        "--sort",
+        default="-created",
+        show_default=True,
+        help="created, finished, tool or status; a leading - sorts descending.",
+    ),
+)
+
+
+def filter_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Adds the filter flags; the command receives them as one ``filters: Filters``."""
+
+    @functools.wraps(command)
+    def with_filters(**options: Any) -> None:
+        filters = Filters(**{field.name: options.pop(field.name) for field in fields(Filters)})
+        command(filters=filters, **options)
+
+    decorated: Callable[..., None] = with_filters
+    for option in reversed(FILTER_OPTIONS):
+        decorated = option(decorated)
+    return decorated
+
+
+def _parsed(hint: str, parse: Callable[..., T], *arguments: Any) -> T:
+    try:
+        return parse(*arguments)
+    except QueryError as error:
+        raise click.BadParameter(str(error), param_hint=hint) from None
+
+
+def _check_text(value: str | None, hint: str) -> None:
+    # Bytes that are not UTF-8 reach Python's argv as lone surrogates, which no database
+    # driver can encode: refuse them here rather than fail inside a query.
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise click.BadParameter("is not valid UTF-8 text", param_hint=hint) from None
+
+
+# ------------------------------------------------------------------------ list
+
+
+@calls.command("list")
+@filter_options
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_PAGE),
+    default=None,
+    help=f"Calls per page (default {DEFAULT_PAGE}; --jsonl streams every call unless given).",
+)
+@click.option("--cursor", default=None, help="Continue after a previous page (its next cursor).")
+@click.option("--json", "as_json", is_flag=True, help='One JSON document: {"calls": [...], "next_cursor"}.')
+@click.option("--jsonl", "as_jsonl", is_flag=True, help="One JSON call per line, streamed.")
+@database_option
+def list_calls(
+    filters: Filters,
+    limit: int | None,
+    cursor: str | None,
+    as_json: bool,
+    as_jsonl: bool,
+    database_url: str | None,
+) -> None:
+    """The ledger's calls, newest first: a table, or JSON for scripts."""
+    if as_json and as_jsonl:
+        raise click.UsageError("--json and --jsonl are two formats: choose one")
+    query = filters.query(limit=limit or DEFAULT_PAGE, cursor=cursor)
+    settings = settings_from(database_url=database_url)
+    if as_jsonl and limit is None:
+        execute(_stream_jsonl(settings, query))
+        return
+    page = execute(_page(settings, query))
+    if as_json:
+        click.echo(page.model_dump_json(indent=2))
+    elif as_jsonl:
+        for view in page.calls:
+            click.echo(view.model_dump_json())
+    else:
+        _print_table(page)
+
+
+async def _page(settings: Settings, query: CallQuery) -> CallPage:
+    async with audit_service(settings) as service:
+        return await service.list_calls(query)
+
+
+async def _stream_jsonl(settings: Settings, query: CallQuery) -> None:
+    out = sys.stdout
+    async with audit_service(settings) as service:
+        async for view in service.iter_calls(query):
+            out.write(view.model_dump_json() + "\n")
+    out.flush()
+
+
+def _print_table(page: CallPage) -> None:
+    from rich.table import Table
+
+    console = _console()
+    if not page.calls:
+        console.print(_plain("no calls match"))
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    # Only the id prefix never wraps: on a narrow terminal the other cells fold rather than
+    # vanish or end in an ellipsis (an id is only of use whole).
+    table.add_column("id", no_wrap=True)
+    for name in ("session", "call", "tool", "effect", "status"):
+        table.add_column(name, overflow="fold")
+    table.add_column("attempts", justify="right", overflow="fold")
+    table.add_column("created (UTC)", overflow="fold")
+    table.add_column("finished (UTC)", overflow="fold")
+    for view in page.calls:
+        table.add_row(
+            _plain(view.id[:ID_PREFIX_CHARS]),
+            _plain(view.session_id),
+            _plain(view.call_id),
+            _plain(view.tool_name),
+            _plain(view.effect_class),
+            _plain(view.status),
+            _plain(str(view.attempts)),
+            _plain(_moment(view.created_at)),
+            _plain(_moment(view.finished_at)),
+            style="bold red" if view.needs_operator else None,
+        )
+    console.print(table)
+    waiting = sum(view.needs_operator for view in page.calls)
+    shown = f"{len(page.calls)} call(s)"
+    if waiting:
+        shown += f"; {waiting} with an unknown outcome (toolledger calls resolve ID ...)"
+    console.print(_plain(shown), soft_wrap=True)
+    if page.next_cursor:
+        # Soft-wrapped: the terminal folds it, so a copied cursor has no line breaks in it.
+        console.print(_plain(f"more: --cursor {page.next_cursor}"), soft_wrap=True)
+
+
+# ------------------------------------------------------------------------ show
+
+
+@calls.command("show")
+@click.argument("reference")
+@click.option("--json", "as_json", is_flag=True, help="Print the call and its timeline as JSON.")
+@database_option
+def show_call(reference: str, as_json: bool, database_url: str | None) -> None:
+    """One call and its timeline. REFERENCE: its tl_ id (or a unique prefix of it),
+    SESSION/TURN/CALL, or its call id."""
+    _check_text(reference, "REFERENCE")
+    settings = settings_from(database_url=database_url)
+    detail = execute(_show(settings, reference))
+    if as_json:
+        click.echo(detail.model_dump_json(indent=2))
+    else:
+        _print_detail(detail)
+
+
+async def _show(settings: Settings, reference: str) -> CallDetail:
+    async with audit_service(settings) as service:
+        return await service.show(reference)
+
+
+def _print_detail(detail: CallDetail) -> None:
+    import json
+
+    from rich.table import Table
+
+    call = detail.call
+    console = _console()
+    fields = Table.grid(padding=(0, 2))
+    fields.add_column(style="bold", no_wrap=True)
+    fields.add_column(overflow="fold")
+    status = _plain(call.status)
+    if call.needs_operator:
+        status = _plain(f"{call.status}: the outcome is unknown, resolve it with `toolledger calls resolve`")
+        status.stylize("bold red")
+    rows: list[tuple[str, Text | str | None]] = [
+        ("call", f"{call.session_id}/{call.turn_id}/{call.call_id}"),
+        ("id", call.id),
+        ("tool", f"{call.tool_name} ({call.effect_class})"),
+        ("status", status),
+        ("attempts", str(call.attempts)),
+        ("submissions", str(call.submissions)),
+        ("created", _moment(call.created_at)),
+        ("started", _moment(call.started_at) if call.started_at else None),
+        ("finished", _moment(call.finished_at) if call.finished_at else None),
+        ("submitted", _moment(call.submitted_at) if call.submitted_at else None),
+        ("confirmed", _moment(call.confirmed_at) if call.confirmed_at else None),
+        ("lease", _lease(call.lease_owner, call.lease_expires_at)),
+        ("error", ": ".join(part for part in (call.error_stage, call.error_detail) if part) or None),
+        ("abandoned", call.abandoned_reason),
+        ("last submit error", call.last_submission_error),
+        ("arguments", json.dumps(call.arguments, indent=2, ensure_ascii=False)),
+        ("result", None if call.result is None else json.dumps(call.result, indent=2, ensure_ascii=False)),
+    ]
+    for name, value in rows:
+        if value is not None:
+            fields.add_row(name, value if not isinstance(value, str) else _plain(value))
+    console.print(fields)
+    console.print()
+    timeline = Table(title=_plain("timeline"), title_justify="left", header_style="bold", box=None)
+    timeline.add_column("#", justify="right")
+    for name in ("at (UTC)", "actor", "event", "transition", "reason"):
+        timeline.add_column(name, overflow="fold")
+    for number, event in enumerate(detail.timeline, start=1):
+        change = f"{event.from_status or 'new'} → {event.to_status}" if event.to_status else ""
+        if event.lease_token is not None:
+            change += f" (lease {event.lease_token})"
+        reason = " | ".join(part for part in (event.reason, event.detail) if part)
+        timeline.add_row(
+            _plain(str(number)),
+            _plain(_moment(event.at)),
+            _plain(event.actor),
+            _plain(event.kind),
+            _plain(change.strip()),
+            _plain(reason),
+        )
+    console.print(timeline)
+
+
+# ---------------------------------------------------------------------- export
+
+
+@calls.command("export")
+@filter_options
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write to this file (default: standard output). It appears only once complete.",
+)
+@click.option("--progress", is_flag=True, help="Count exported calls on stderr (default: when a terminal).")
+@database_option
+def export_calls(
+    filters: Filters, fmt: str, output: Path | None, progress: bool, database_url: str | None
+) -> None:
+    """Every matching call, streamed as JSON lines or CSV (secret fields masked)."""
+    query = filters.query()
+    settings = settings_from(database_url=database_url)
+    counter = ProgressLine("exported", enabled=progress or sys.stderr.isatty())
+    with _sink(output) as sink:
+        written = execute(_export(settings, query, fmt, sink, counter))
+    counter.done(written)
+
+
+async def _export(
+    settings: Settings, query: CallQuery, fmt: str, sink: IO[str], counter: ProgressLine
+) -> int:
+    written = 0
+    async with audit_service(settings) as service:
+        lines = service.export(query, fmt)
+        if fmt == "csv":
+            sink.write(await anext(lines))
+        async for line in lines:
+            sink.write(line)
+            written += 1
+            counter.update(written)
+    return written
+
+
+@contextlib.contextmanager
+def _sink(output: Path | None) -> Iterator[IO[str]]:
+    """Standard output, or a file that gets its name only once the export is complete: an
+    interrupted export never leaves a file that looks whole."""
+    if output is None:
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    partial = output.with_name(output.name + ".partial")
+    try:
+        file = partial.open("w", encoding="utf-8", newline="")
+    except OSError as error:
+        raise click.FileError(str(output), hint=error.strerror or str(error)) from None
+    try:
+        with file:
+            yield file
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+class ProgressLine:
+    """A count on stderr, rewritten in place on a terminal, a line at a time otherwise."""
+
+    def __init__(self, verb: str, *, enabled: bool) -> None:
+        self.verb = verb
+        self.enabled = enabled
+        self.live = sys.stderr.isatty()
+        self._shown_at = time.monotonic()
+        # On a terminal each count overwrites the last one.
+        self._start = "\r" if self.live else ""
+
+    def update(self, count: int) -> None:
+        if not self.enabled or time.monotonic() - self._shown_at < PROGRESS_EVERY_SECONDS:
+            return
+        self._shown_at = time.monotonic()
+        click.echo(f"{self._start}{self.verb} {count} call(s)", err=True, nl=not self.live)
+
+    def done(self, count: int) -> None:
+        if self.enabled:
+            click.echo(f"{self._start}{self.verb} {count} call(s)", err=True)
+
+
+# --------------------------------------------------------------------- resolve
+
+
+RESOLVE_MESSAGES = {
+    "submitted": "resolved, and its result was submitted: the session has it",
+    "abandoned": "resolved, but the session no longer awaits it: abandoned",
+    "submit_failed": "resolved; the submission failed for now and is retried by `toolledger serve`",
+    "not_sent": "resolved; no Agents API is configured here, `toolledger serve` submits it",
+    "rerun": "ran again here, and its result was submitted",
+    "left_for_service": "re-opened: `toolledger serve` runs it again",
+}
+
+
+@calls.command("resolve")
+@click.argument("reference")
+@click.option("--output", "output_text", default=None, help="It happened: the output the model is given.")
+@click.option("--error", "error_text", default=None, help="It did not happen: the error the model is given.")
+@click.option("--rerun", is_flag=True, help="A second run is safe: run the call again.")
+@click.option("--reason", required=True, help="Why (kept in the audit trail).")
+@click.option("--operator", default=None, help="Who resolves it (default: $USER or the login name).")
+@click.option(
+    "--tools",
+    "tools_reference",
+    default=None,
+    envvar="TOOLLEDGER_TOOLS",
+    help="With --rerun: the application's tools, to run the call here (else `serve` runs it).",
+)
+@click.option("--json", "as_json", is_flag=True, help='Print {"action": ..., "call": ...} as JSON.')
+@database_option
+@base_url_option
+@click.option("--log-level", type=LOG_LEVELS, default="warning", show_default=True)
+def resolve_call(
+    reference: str,
+    output_text: str | None,
+    error_text: str | None,
+    rerun: bool,
+    reason: str,
+    operator: str | None,
+    tools_reference: str | None,
+    as_json: bool,
+    database_url: str | None,
+    base_url: str | None,
+    log_level: str,
+) -> None:
+    """Settle a call whose outcome is unknown: say what happened (--output or --error), or
+    allow it to run again (--rerun). The result is submitted to the session right away."""
+    from toolledger.audit.service import Resolution, ResolutionKind
+
+    chosen = [
+        kind
+        for kind, given in (
+            (ResolutionKind.OUTPUT, output_text is not None),
+            (ResolutionKind.ERROR, error_text is not None),
+            (ResolutionKind.RERUN, rerun),
+        )
+        if given
+    ]
+    if len(chosen) != 1:
+        raise click.UsageError("give exactly one of --output TEXT, --error MESSAGE or --rerun")
+    if tools_reference is not None and not rerun:
+        raise click.UsageError("--tools is for --rerun: an output or error runs nothing")
+    for hint, value in (
+        ("REFERENCE", reference),
+        ("--output", output_text),
+        ("--error", error_text),
+        ("--reason", reason),
+        ("--operator", operator),
+    ):
+        _check_text(value, hint)
+    try:
+        resolution = Resolution(
+            kind=chosen[0],
+            operator=operator if operator is not None else _login_name(),
+            reason=reason,
+            text=output_text if output_text is not None else error_text,
+        )
+    except QueryError as error:
+        raise click.UsageError(str(error)) from None
+    registry = load_tools(tools_reference) if tools_reference is not None else None
+    settings = settings_from(database_url=database_url, openai_base_url=base_url)
+    configure_logging(log_level, settings)
+    report = execute(_resolve(settings, reference, resolution, registry))
+    if as_json:
+        import json
+
+        click.echo(
+            json.dumps({"action": report.action, "call": report.call.model_dump(mode="json")}, indent=2)
+        )
+        return
+    call = report.call
+    message = RESOLVE_MESSAGES.get(report.action, report.action)
+    click.echo(f"{call.session_id}/{call.turn_id}/{call.call_id}: {message}")
+    click.echo(f"action: {report.action}; status: {call.status}")
+
+
+async def _resolve(
+    settings: Settings, reference: str, resolution: Resolution, registry: ToolRegistry | None
+) -> ResolveReport:
+    async with audit_service(settings, submits=True, registry=registry) as service:
+        return await service.resolve(reference, resolution)
+
+
+def _login_name() -> str:
+    name = os.environ.get("USER")
+    if name:
+        return name
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        raise click.UsageError("who resolves it? give --operator NAME") from None
+
+
+# ----------------------------------------------------------------------- prune
+
+
+@calls.command("prune")
+@click.option("--older-than", required=True, help="Finished at least this long ago: 90d, 12h, 30m.")
+@click.option("--dry-run", is_flag=True, help="Only count what would be deleted.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (required when not on a terminal).")
+@database_option
+def prune_calls(older_than: str, dry_run: bool, yes: bool, database_url: str | None) -> None:
+    """Delete finished calls (submitted or abandoned) and their audit trails. Calls still open
+    (pending, running, unknown, with an unsubmitted result) are never deleted."""
+    age = _parsed("--older-than", parse_duration, older_than)
+    if age <= timedelta(0):
+        raise click.BadParameter("must be a positive duration", param_hint="--older-than")
+    settings = settings_from(database_url=database_url)
+    if dry_run:
+        count = execute(_prune(settings, age, dry_run=True))
+        click.echo(f"{count} finished call(s) older than {older_than} would be deleted (dry run)")
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise click.UsageError(
+                "deleting needs confirmation: pass --yes (standard input is not a terminal)"
+            )
+        count = execute(_prune(settings, age, dry_run=True))
+        if count == 0:
+            click.echo(f"no finished call older than {older_than}")
+            return
+        click.confirm(
+            f"delete {count} finished call(s) older than {older_than}, with their audit trails?", abort=True
+        )
+    counter = ProgressLine("deleted", enabled=sys.stderr.isatty())
+    removed = execute(_prune(settings, age, dry_run=False, progress=counter.update))
+    click.echo(f"deleted {removed} finished call(s) older than {older_than}")
+
+
+async def _prune(
+    settings: Settings, age: timedelta, *, dry_run: bool, progress: Callable[[int], None] | None = None
+) -> int:
+    async with audit_service(settings) as service:
+        return await service.prune(age, dry_run=dry_run, progress=progress)
+
+
+# ------------------------------------------------------------------- plumbing
+
+
+def execute(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``run`` (toolledger errors and an unreachable database: one line, exit 1), plus: input
+    the audit core refuses, or a reference naming several calls, is a usage error (exit 2).
+    (A pipe closed early, ``| head``, is click's to handle: it exits quietly.)"""
+    from toolledger.audit.service import AmbiguousCallError
+
+    async def guarded() -> T:
+        try:
+            return await coroutine
+        except AmbiguousCallError as error:
+            raise QueryError(str(error)) from None
+
+    try:
+        return run(guarded())
+    except QueryError as error:
+        raise click.UsageError(str(error)) from None
+
+
+@contextlib.asynccontextmanager
+async def audit_service(
+    settings: Settings, *, submits: bool = False, registry: ToolRegistry | None = None
+) -> AsyncIterator[AuditService]:
+    """An AuditService over the configured ledger (and, to submit, the Agents API)."""
+    from toolledger.audit.service import AuditService
+    from toolledger.gateway.agents import AgentsGateway
+    from toolledger.ledger import configured_redactor
+    from toolledger.store.engine import create_engine
+
+    _refuse_missing_sqlite_file(settings.database_url)
+    await ensure_schema(settings)
+    # Statement parameters are tool arguments and outputs: never in an error's text.
+    engine = create_engine(settings.database_url, hide_parameters=True)
+    gateway = None
+    if submits and (settings.openai_api_key is not None or settings.openai_base_url is not None):
+        key = settings.openai_api_key
+        gateway = AgentsGateway.connect(
+            api_key=key.get_secret_value() if key else None,
+            base_url=settings.openai_base_url,
+            attempts=settings.submit_attempts,
+        )
+    try:
+        yield AuditService(
+            engine, settings, redactor=configured_redactor(settings), gateway=gateway, registry=registry
+        )
+    finally:
+        if gateway is not None:
+            await gateway.close()
+        await engine.dispose()
+
+
+def _refuse_missing_sqlite_file(url: str) -> None:
+    """Migrating would create an empty file: a mistyped path would look like an empty ledger."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return
+    if not Path(parsed.database).exists():
+        raise click.ClickException(f"no ledger file at {parsed.database} (`toolledger migrate` creates one)")
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    # Piped into a file or another program, nothing is folded or cut: the width is the
+    # content's (unless COLUMNS says otherwise). markup and highlighting off: ids and tool
+    # names are data, never formatting.
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else UNLIMITED_WIDTH
+    return Console(markup=False, highlight=False, emoji=False, width=width)
+
+
+def _plain(text: str) -> Text:
+    """Text as data: control and format characters (escape sequences, bidi overrides) shown
+    as escapes, so a hostile id cannot redraw the terminal."""
+    from rich.text import Text
+
+    return Text(
+        "".join(
+            repr(char)[1:-1] if unicodedata.category(char) in ("Cc", "Cf") and char != "\n" else char
+            for char in text
+        )
+    )
+
+
+def _lease(owner: str | None, expires_at: datetime | None) -> str | None:
+    if owner is None:
+        return None
+    return owner if expires_at is None else f"{owner} until {_moment(expires_at)}"
+
+
+def _moment(moment: datetime | None) -> str:
+    if moment is None:
+        return ""
+    utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return utc.strftime("%Y-%m-%d %H:%M:%S")

@@ -1,0 +1,201 @@
+"""What an audit query asks for: filters, order, page; and how a call is referred to.
+
+Pure values: the CLI and the HTTP API parse user input into these, the store turns them
+into SQL (bound parameters only), so both faces accept and refuse exactly the same things.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import TypeVar
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.states import CallStatus, EffectClass
+
+E = TypeVar("E", bound=StrEnum)
+
+MAX_PAGE = 500
+"""Largest page one list request returns (exports stream instead)."""
+DEFAULT_PAGE = 50
+MAX_FILTER_CHARS = 255
+"""Ids and names are at most 255 characters in the ledger: a longer filter matches nothing."""
+MAX_TEXT_CHARS = 200
+
+
+class QueryError(ValueError):
+    """A filter, sort, cursor or reference the user gave cannot be used; the message says why."""
+
+
+class SortKey(StrEnum):
+    CREATED = "created"
+    FINISHED = "finished"
+    TOOL = "tool"
+    STATUS = "status"
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the previous page ended: the sort value and the key of its last call."""
+
+    value: str | None
+    key: CallKey
+
+    def encode(self) -> str:
+        raw = json.dumps([self.value, *self.key.__dict__.values()], separators=(",", ":"))
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> Cursor:
+        try:
+            padded = text + "=" * (-len(text) % 4)
+            value, *key = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+            if not (value is None or isinstance(value, str)) or len(key) != 3:
+                raise ValueError
+            if not all(isinstance(part, str) for part in key):
+                raise ValueError
+            # A hand-made cursor must not carry what no filter may (PostgreSQL refuses NUL).
+            if any("\x00" in part or len(part) > MAX_FILTER_CHARS for part in (value or "", *key)):
+                raise ValueError
+            return cls(value, CallKey(*key))
+        except (ValueError, TypeError, UnicodeError, binascii.Error) as error:
+            raise QueryError("invalid cursor: pass the next_cursor of a previous page unchanged") from error
+
+
+@dataclass(frozen=True)
+class CallQuery:
+    """Which calls, in which order, how many. Every filter is optional; all must hold."""
+
+    session_id: str | None = None
+    turn_id: str | None = None
+    tool_names: tuple[str, ...] = ()
+    statuses: tuple[CallStatus, ...] = ()
+    effect_classes: tuple[EffectClass, ...] = ()
+    since: datetime | None = None
+    """Recorded at or after (created_at)."""
+    until: datetime | None = None
+    """Recorded before."""
+    text: str | None = None
+    """Substring of the tool name, session, turn or call id (case-insensitive)."""
+    sort: SortKey = SortKey.CREATED
+    descending: bool = True
+    limit: int = DEFAULT_PAGE
+    cursor: Cursor | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.limit <= MAX_PAGE:
+            raise QueryError(f"limit must be between 1 and {MAX_PAGE}, got {self.limit}")
+        for name in ("session_id", "turn_id"):
+            value = getattr(self, name)
+            if value is not None and (not value or len(value) > MAX_FILTER_CHARS):
+                raise QueryError(f"{name} must be 1 to {MAX_FILTER_CHARS} characters")
+        if any(not name or len(name) > MAX_FILTER_CHARS for name in self.tool_names):
+            raise QueryError(f"tool names must be 1 to {MAX_FILTER_CHARS} characters")
+        if self.text is not None and (not self.text or len(self.text) > MAX_TEXT_CHARS):
+            raise QueryError(f"search text must be 1 to {MAX_TEXT_CHARS} characters")
+        for name in ("since", "until"):
+            moment = getattr(self, name)
+            if moment is not None:
+                # SQLite keeps the ledger's times as UTC text and compares digits: a moment
+                # given in another zone must be turned into UTC, not just labelled.
+                try:
+                    utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+                except OverflowError:
+                    raise QueryError(f"{name} is out of range") from None
+                object.__setattr__(self, name, utc)
+        if self.since and self.until and self.since >= self.until:
+            raise QueryError("since must be earlier than until")
+        for text in (self.session_id, self.turn_id, self.text, *self.tool_names):
+            if text is not None and "\x00" in text:
+                raise QueryError("filters cannot contain NUL characters")
+
+    def next_page(self, cursor: Cursor) -> CallQuery:
+        return replace(self, cursor=cursor)
+
+
+def parse_statuses(values: list[str] | tuple[str, ...]) -> tuple[CallStatus, ...]:
+    return tuple(_member(CallStatus, v, "status") for v in _split(values))
+
+
+def parse_effect_classes(values: list[str] | tuple[str, ...]) -> tuple[EffectClass, ...]:
+    return tuple(_member(EffectClass, v, "effect class") for v in _split(values))
+
+
+def parse_sort(text: str) -> tuple[SortKey, bool]:
+    """``created`` (ascending), ``-created`` (descending)."""
+    descending = text.startswith("-")
+    name = text[1:] if descending else text
+    return _member(SortKey, name, "sort key"), descending
+
+
+_DURATION = re.compile(r"^\s*(\d+)\s*(s|m|h|d|w)\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90d``, ``12h``, ``30m``, ``45s``, ``2w``."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise QueryError(f"invalid duration {text!r}: use a number and a unit, like 90d, 12h, 30m")
+    amount = int(match.group(1))
+    if amount > 100_000:
+        raise QueryError(f"duration {text!r} is too long")
+    return timedelta(seconds=amount * _UNITS[match.group(2)])
+
+
+def parse_moment(text: str, now: datetime) -> datetime:
+    """An ISO 8601 time (UTC unless it says otherwise), or a duration meaning that long ago."""
+    try:
+        return now - parse_duration(text)
+    except QueryError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise QueryError(
+            f"invalid time {text!r}: use ISO 8601 (2026-12-01T09:00:00Z) or a duration ago (24h)"
+        ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class CallReference:
+    """How a user names a call: its key, its idempotency key (or a unique prefix), or its id."""
+
+    key: CallKey | None = None
+    idempotency_prefix: str | None = None
+    call_id: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> CallReference:
+        text = text.strip()
+        if not text or len(text) > 3 * MAX_FILTER_CHARS + 2 or "\x00" in text:
+            raise QueryError("a call is named by SESSION/TURN/CALL, its tl_ key, or its call id")
+        if "/" in text:
+            try:
+                return cls(key=CallKey.parse(text))
+            except ValueError as error:
+                raise QueryError(str(error)) from None
+        if re.fullmatch(r"tl_[0-9a-f]{8,48}", text):
+            return cls(idempotency_prefix=text)
+        if len(text) > MAX_FILTER_CHARS:
+            raise QueryError(f"a call id is at most {MAX_FILTER_CHARS} characters")
+        return cls(call_id=text)
+
+
+def _split(values: list[str] | tuple[str, ...]) -> list[str]:
+    """Repeated options and comma-separated lists both work: ``--status a,b --status c``."""
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _member(enum: type[E], value: str, what: str) -> E:
+    try:
+        return enum(value.strip().lower())
+    except ValueError:
+        choices = ", ".join(member.value for member in enum)
+        raise QueryError(f"unknown {what} {value!r}: choose from {choices}") from None

@@ -1,0 +1,289 @@
+"""Audit reads over the ledger: filtered, ordered, paged by keyset; streamed exports; pruning.
+
+Every value a user typed reaches the database as a bound parameter; sort columns come from
+an enum. Pages are keyset-paged (the sort value and the call's key of the last row), so a
+page deep in a million calls costs what the first one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, and_, delete, func, or_, select, tuple_
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryError, SortKey
+from toolledger.domain.records import CallEvent, CallRecord
+from toolledger.domain.states import CallStatus
+from toolledger.store.ledger import _record
+from toolledger.store.schema import sessions, tool_call_events, tool_calls
+
+_KEY = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
+_SORT_COLUMNS: dict[SortKey, Any] = {
+    SortKey.CREATED: tool_calls.c.created_at,
+    SortKey.FINISHED: tool_calls.c.finished_at,
+    SortKey.TOOL: tool_calls.c.tool_name,
+    SortKey.STATUS: tool_calls.c.status,
+}
+_TIME_SORTS = frozenset({SortKey.CREATED, SortKey.FINISHED})
+PRUNABLE = (CallStatus.SUBMITTED, CallStatus.ABANDONED)
+"""Finished calls: their result was accepted, or nobody awaits them any more."""
+
+
+@dataclass(frozen=True)
+class Page:
+    calls: list[CallRecord]
+    next_cursor: Cursor | None
+    """Pass it back for the next page; None on the last one."""
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    session_id: str
+    watched: bool | None
+    """None: the ledger has calls of this session but it was never watched."""
+    owner: str | None
+    status: str | None
+    reason: str | None
+    last_polled_at: datetime | None
+    calls: dict[str, int]
+
+
+class AuditStore:
+    """Read-only queries for audit views, and the pruning of finished calls."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def list_calls(self, query: CallQuery) -> Page:
+        rows = await self._fetch(query, query.limit + 1)
+        more = len(rows) > query.limit
+        calls = rows[: query.limit]
+        cursor = _cursor_after(calls[-1], query.sort) if more and calls else None
+        return Page(calls, cursor)
+
+    async def iter_calls(self, query: CallQuery, *, batch: int = 1000) -> AsyncIterator[CallRecord]:
+        """Every call the query matches, ``batch`` rows per round trip: memory stays flat."""
+        cursor = query.cursor
+        while True:
+            rows = await self._fetch(query.next_page(cursor) if cursor else query, batch)
+            for row in rows:
+                yield row
+            if len(rows) < batch:
+                return
+            cursor = _cursor_after(rows[-1], query.sort)
+
+    async def count_calls(self, query: CallQuery) -> int:
+        statement = select(func.count()).select_from(tool_calls).where(*_filters(query))
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(statement)).scalar_one())
+
+    async def find(self, reference: CallReference) -> list[CallRecord]:
+        """The calls a reference names (more than one: it is ambiguous)."""
+        statement = select(tool_calls)
+        if reference.key is not None:
+            statement = statement.where(
+                *(c == v for c, v in zip(_KEY, _key_values(reference.key), strict=True))
+            )
+        elif reference.idempotency_prefix is not None:
+            prefix = reference.idempotency_prefix
+            statement = statement.where(
+                tool_calls.c.idempotency_key >= prefix,
+                tool_calls.c.idempotency_key < prefix + "\U0010ffff",
+            )
+        elif reference.call_id is not None:
+            statement = statement.where(tool_calls.c.call_id == reference.call_id)
+        else:
+            raise QueryError("empty call reference")
+        async with self.engine.connect() as conn:
+            return [_record(row) for row in await conn.execute(statement.limit(10))]
+
+    async def events(self, key: CallKey) -> list[CallEvent]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(tool_call_events)
+                .where(
+                    tool_call_events.c.session_id == key.session_id,
+                    tool_call_events.c.turn_id == key.turn_id,
+                    tool_call_events.c.call_id == key.call_id,
+                )
+                .order_by(tool_call_events.c.id)
+            )
+            return [
+                CallEvent(
+                    id=r.id,
+                    key=key,
+                    at=r.at,
+                    actor=r.actor,
+                    kind=r.kind,
+                    from_status=r.from_status,
+                    to_status=r.to_status,
+                    lease_token=r.lease_token,
+                    reason=r.reason,
+                    detail=r.detail,
+                )
+                for r in rows
+            ]
+
+    async def session_summaries(
+        self, session_ids: Sequence[str] | None = None, *, watched: bool | None = None, limit: int = 100
+    ) -> list[SessionSummary]:
+        """Watched (or once watched) sessions with their calls counted by status."""
+        statement = (
+            select(sessions).order_by(sessions.c.created_at.desc(), sessions.c.session_id).limit(limit)
+        )
+        if session_ids is not None:
+            statement = statement.where(sessions.c.session_id.in_(list(session_ids)))
+        if watched is not None:
+            statement = statement.where(sessions.c.watched.is_(watched))
+        async with self.engine.connect() as conn:
+            rows = list(await conn.execute(statement))
+            found = {row.session_id: row for row in rows}
+            wanted = list(session_ids) if session_ids is not None else list(found)
+            counts: dict[str, dict[str, int]] = {s: {} for s in wanted}
+            if wanted:
+                tallies = await conn.execute(
+                    select(tool_calls.c.session_id, tool_calls.c.status, func.count())
+                    .where(tool_calls.c.session_id.in_(wanted))
+                    .group_by(tool_calls.c.session_id, tool_calls.c.status)
+                )
+                for session_id, status, count in tallies:
+                    counts[session_id][status] = int(count)
+        summaries = []
+        for session_id in wanted:
+            row = found.get(session_id)
+            if row is None and not counts[session_id]:
+                continue
+            summaries.append(
+                SessionSummary(
+                    session_id=session_id,
+                    watched=row.watched if row is not None else None,
+                    owner=row.owner if row is not None else None,
+                    status=row.status if row is not None else None,
+                    reason=row.reason if row is not None else None,
+                    last_polled_at=row.last_polled_at if row is not None else None,
+                    calls=counts[session_id],
+                )
+            )
+        return summaries
+
+    async def prune(
+        self,
+        before: datetime,
+        *,
+        dry_run: bool = False,
+        batch: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete finished calls (and their audit trails) last changed before ``before``.
+
+        In batches, each its own transaction, so a large prune never holds long locks.
+        """
+        finished = and_(
+            tool_calls.c.status.in_([s.value for s in PRUNABLE]), tool_calls.c.updated_at < before
+        )
+        if dry_run:
+            async with self.engine.connect() as conn:
+                return int(
+                    (
+                        await conn.execute(select(func.count()).select_from(tool_calls).where(finished))
+                    ).scalar_one()
+                )
+        removed = 0
+        while True:
+            async with self.engine.begin() as conn:
+                keys = [tuple(row) for row in await conn.execute(select(*_KEY).where(finished).limit(batch))]
+                if not keys:
+                    return removed
+                event_key = tuple_(
+                    tool_call_events.c.session_id, tool_call_events.c.turn_id, tool_call_events.c.call_id
+                )
+                await conn.execute(delete(tool_call_events).where(event_key.in_(keys)))
+                # Re-checked under the delete: a call that changed since the select stays.
+                result = await conn.execute(delete(tool_calls).where(tuple_(*_KEY).in_(keys), finished))
+                removed += result.rowcount
+            if progress is not None:
+                progress(removed)
+
+    async def _fetch(self, query: CallQuery, limit: int) -> list[CallRecord]:
+        statement = _select(query).limit(limit)
+        async with self.engine.connect() as conn:
+            return [_record(row) for row in await conn.execute(statement)]
+
+
+def _select(query: CallQuery) -> Select[Any]:
+    column = _SORT_COLUMNS[query.sort]
+    statement = select(tool_calls).where(*_filters(query))
+    if query.sort is SortKey.FINISHED:
+        statement = statement.where(tool_calls.c.finished_at.is_not(None))
+    if query.cursor is not None:
+        statement = statement.where(_after(query, column, query.cursor))
+    order = [column, *_KEY]
+    return statement.order_by(*(c.desc() if query.descending else c.asc() for c in order))
+
+
+def _filters(query: CallQuery) -> list[ColumnElement[bool]]:
+    clauses: list[ColumnElement[bool]] = []
+    if query.session_id is not None:
+        clauses.append(tool_calls.c.session_id == query.session_id)
+    if query.turn_id is not None:
+        clauses.append(tool_calls.c.turn_id == query.turn_id)
+    if query.tool_names:
+        clauses.append(tool_calls.c.tool_name.in_(query.tool_names))
+    if query.statuses:
+        clauses.append(tool_calls.c.status.in_([s.value for s in query.statuses]))
+    if query.effect_classes:
+        clauses.append(tool_calls.c.effect_class.in_([e.value for e in query.effect_classes]))
+    if query.since is not None:
+        clauses.append(tool_calls.c.created_at >= query.since)
+    if query.until is not None:
+        clauses.append(tool_calls.c.created_at < query.until)
+    if query.text is not None:
+        pattern = "%" + _escape_like(query.text.lower()) + "%"
+        clauses.append(
+            or_(
+                *(func.lower(column).like(pattern, escape="\\") for column in (tool_calls.c.tool_name, *_KEY))
+            )
+        )
+    return clauses
+
+
+def _after(query: CallQuery, column: Any, cursor: Cursor) -> ColumnElement[bool]:
+    value: Any = cursor.value
+    if query.sort in _TIME_SORTS:
+        if value is None:
+            raise QueryError("invalid cursor for this sort order")
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise QueryError("invalid cursor for this sort order") from None
+    left = tuple_(column, *_KEY)
+    right = tuple_(value, *_key_values(cursor.key))
+    return left < right if query.descending else left > right
+
+
+def _cursor_after(call: CallRecord, sort: SortKey) -> Cursor:
+    value: Any = {
+        SortKey.CREATED: call.created_at,
+        SortKey.FINISHED: call.finished_at,
+        SortKey.TOOL: call.tool_name,
+        SortKey.STATUS: call.status.value,
+    }[sort]
+    return Cursor(value.isoformat() if isinstance(value, datetime) else value, call.key)
+
+
+def _key_values(key: CallKey) -> tuple[str, str, str]:
+    return key.session_id, key.turn_id, key.call_id
+
+
+def _escape_like(text: str) -> str:
+    """``%`` and ``_`` typed by a user are literal characters, not wildcards."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+__all__ = ["PRUNABLE", "AuditStore", "Page", "SessionSummary"]
