@@ -2,15 +2,24 @@
 
 A transition names the states it may start from and, for a worker's writes, the lease token
 it holds. Zero rows updated means a lost race or a stale worker: never a blind write.
+
+On PostgreSQL a write and its audit event travel as ONE statement in autocommit (a
+data-modifying CTE: ``WITH changed AS (UPDATE ... RETURNING ...) INSERT INTO events SELECT
+... FROM changed``): one round trip and one commit instead of BEGIN, a read, the write, the
+event and COMMIT. That is most of the ledger's cost per call (DESIGN.md, "Performance
+facts"). SQLite has no data-modifying CTEs and no network between the two: it keeps the
+transaction of separate statements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime
+from functools import partial
 from typing import Any
 
-from sqlalchemy import Row, and_, func, select, tuple_
+from sqlalchemy import CTE, Float, Row, Select, String, and_, bindparam, func, literal, null, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
@@ -25,6 +34,55 @@ from toolledger.store.engine import utc_after, utc_now
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
+_EVENT_COLUMNS = (
+    "session_id",
+    "turn_id",
+    "call_id",
+    "at",
+    "actor",
+    "kind",
+    "from_status",
+    "to_status",
+    "lease_token",
+    "reason",
+    "detail",
+)
+
+
+_KEY_MATCH = and_(
+    tool_calls.c.session_id == bindparam("k_session_id"),
+    tool_calls.c.turn_id == bindparam("k_turn_id"),
+    tool_calls.c.call_id == bindparam("k_call_id"),
+)
+"""A call's key as bind parameters, for statements built once (``_key_params`` fills them)."""
+
+_OUTCOME_VALUES: dict[str, Any] = {
+    "result": bindparam("p_result"),
+    "error_stage": bindparam("p_error_stage"),
+    "error_detail": bindparam("p_error_detail"),
+}
+
+
+def _key_params(key: CallKey) -> dict[str, str]:
+    return {"k_session_id": key.session_id, "k_turn_id": key.turn_id, "k_call_id": key.call_id}
+
+
+def _completion(source: CallStatus, target: CallStatus) -> Any:
+    """A run's outcome stored, if the run's lease token (``p_token``) is still current."""
+    return (
+        tool_calls.update()
+        .where(
+            _KEY_MATCH, tool_calls.c.status == source.value, tool_calls.c.lease_token == bindparam("p_token")
+        )
+        .values(
+            status=target.value,
+            **_OUTCOME_VALUES,
+            finished_at=utc_now(),
+            lease_expires_at=None,
+            updated_at=utc_now(),
+        )
+        .returning(tool_calls)
+    )
 
 
 def _where_key(key: CallKey) -> ColumnElement[bool]:
@@ -71,6 +129,10 @@ class LedgerStore:
         self.actor = actor
         self.redactor = redactor
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._one_statement = engine.dialect.name == "postgresql"
+        # Same pool; each single-statement write commits by itself (no BEGIN/COMMIT trips).
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._statements: dict[Hashable, Any] = {}
 
     # ------------------------------------------------------------------ writes
 
@@ -91,49 +153,43 @@ class LedgerStore:
         fingerprint is always that of the arguments delivered.
         """
         fingerprint = arguments_fingerprint(arguments)
-        insert = (
-            self._insert(tool_calls)
-            .values(
-                session_id=key.session_id,
-                turn_id=key.turn_id,
-                call_id=key.call_id,
-                tool_name=tool_name,
-                arguments=_storable(
-                    stored_arguments if stored_arguments is not None else arguments_text(arguments)
-                ),
-                arguments_sha256=fingerprint,
-                status=CallStatus.RUNNING.value,
-                effect_class=effect_class.value,
-                idempotency_key=key.idempotency_key,
-                attempt_count=1,
-                lease_owner=self.actor,
-                lease_token=1,
-                lease_expires_at=utc_after(float(lease_seconds)),
-                created_at=utc_now(),
-                started_at=utc_now(),
-                updated_at=utc_now(),
-            )
-            # No conflict target: the idempotency key is unique too, and a racing insert can
-            # hit either constraint first; both mean "already recorded".
-            .on_conflict_do_nothing()
-            .returning(tool_calls)
-        )
-        async with self.engine.begin() as conn:
-            row = (await conn.execute(insert)).first()
+        params = {
+            **_key_params(key),
+            **self._event_params("recorded and claimed"),
+            "p_tool_name": tool_name,
+            "p_arguments": _storable(
+                stored_arguments if stored_arguments is not None else arguments_text(arguments)
+            ),
+            "p_sha256": fingerprint,
+            "p_effect_class": effect_class.value,
+            "p_idempotency_key": key.idempotency_key,
+            "p_lease_seconds": float(lease_seconds),
+        }
+        if self._one_statement:
+            statement = self._statement(("record",), self._build_record)
+            async with self._autocommit.connect() as conn:
+                row = (await conn.execute(statement, params)).first()
             if row is not None:
-                call = _record(row)
-                await self._event(
-                    conn,
-                    key,
-                    "transition",
-                    None,
-                    CallStatus.RUNNING,
-                    call.lease_token,
-                    "recorded and claimed",
-                )
-                return Recorded(call=call, claimed=True)
+                return Recorded(call=_record(row), claimed=True)
+        async with self.engine.begin() as conn:
+            if not self._one_statement:
+                row = (await conn.execute(self._record_insert(), params)).first()
+                if row is not None:
+                    call = _record(row)
+                    await self._event(
+                        conn,
+                        key,
+                        "transition",
+                        None,
+                        CallStatus.RUNNING,
+                        call.lease_token,
+                        "recorded and claimed",
+                    )
+                    return Recorded(call=call, claimed=True)
             existing = await self._get(conn, key)
-            assert existing is not None, "a conflicting row cannot vanish inside this transaction"
+            if existing is None:
+                # Recorded a moment ago, then pruned already: not something a live call meets.
+                raise TransitionError(f"{key}: recorded, then deleted before it could be read")
             if existing.arguments_sha256 != fingerprint:
                 await self._event(
                     conn,
@@ -162,18 +218,20 @@ class LedgerStore:
             from_statuses,
             CallStatus.RUNNING,
             reason,
+            shape="claim",
             values={
                 "lease_token": tool_calls.c.lease_token + 1,
                 "attempt_count": tool_calls.c.attempt_count + 1,
-                "lease_owner": self.actor,
-                "lease_expires_at": utc_after(float(lease_seconds)),
+                "lease_owner": bindparam("e_actor"),
+                "lease_expires_at": utc_after(bindparam("p_lease_seconds", type_=Float)),
                 "started_at": utc_now(),
             },
+            params={"p_lease_seconds": float(lease_seconds)},
         )
 
     async def heartbeat(self, key: CallKey, token: int, lease_seconds: float) -> bool:
         """Extend a running call's lease; False when the lease was lost (fenced)."""
-        async with self.engine.begin() as conn:
+        async with self._writing() as conn:
             result = await conn.execute(
                 tool_calls.update()
                 .where(
@@ -194,45 +252,34 @@ class LedgerStore:
         side effect and its result then commit together.
         """
         target = CallStatus.SUCCEEDED if outcome.success else CallStatus.FAILED
-        values = {
-            "status": target.value,
-            "result": outcome.payload_json(),
-            "error_stage": outcome.stage.value if outcome.stage else None,
-            "error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
-            "finished_at": utc_now(),
-            "lease_expires_at": None,
-            "updated_at": utc_now(),
-        }
-
-        def update(source: CallStatus) -> Any:
-            return (
-                tool_calls.update()
-                .where(
-                    _where_key(key),
-                    tool_calls.c.status == source.value,
-                    tool_calls.c.lease_token == token,
-                )
-                .values(**values)
-                .returning(tool_calls)
-            )
+        params = {**_key_params(key), "p_token": token, **self._outcome_params(outcome)}
+        attempts = (
+            (CallStatus.RUNNING, outcome.stage.value if outcome.stage else "handler returned"),
+            # The lease expired while the handler ran (a paused or partitioned worker) but
+            # nobody claimed the call since: the token is still ours, and this is the one
+            # true outcome of the only run. Better than leaving it unknown.
+            (CallStatus.UNKNOWN, "late result of the only run, after its lease expired"),
+        )
 
         async def write(conn: AsyncConnection) -> CallRecord:
-            source, reason = CallStatus.RUNNING, outcome.stage.value if outcome.stage else "handler returned"
-            row = (await conn.execute(update(source))).first()
-            if row is None:
-                # The lease expired while the handler ran (a paused or partitioned worker) but
-                # nobody claimed the call since: the token is still ours, and this is the one
-                # true outcome of the only run. Better than leaving it unknown.
-                source, reason = CallStatus.UNKNOWN, "late result of the only run, after its lease expired"
-                row = (await conn.execute(update(source))).first()
-            if row is None:
-                raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
-            await self._event(conn, key, "transition", source, target, token, reason)
-            return _record(row)
+            for source, reason in attempts:
+                if self._one_statement:
+                    statement = self._statement(
+                        ("complete", source, target), partial(self._build_completion, source, target)
+                    )
+                    row = (await conn.execute(statement, {**params, **self._event_params(reason)})).first()
+                    if row is not None:
+                        return _record(row)
+                    continue
+                row = (await conn.execute(_completion(source, target), params)).first()
+                if row is not None:
+                    await self._event(conn, key, "transition", source, target, token, reason)
+                    return _record(row)
+            raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
 
         if connection is not None:
             return await write(connection)
-        async with self.engine.begin() as conn:
+        async with self._writing() as conn:
             return await write(conn)
 
     async def settle(self, key: CallKey, outcome: Outcome, *, reason: str) -> CallRecord | None:
@@ -243,19 +290,20 @@ class LedgerStore:
             [CallStatus.UNKNOWN],
             target,
             reason,
-            values={
-                "result": outcome.payload_json(),
-                "error_stage": outcome.stage.value if outcome.stage else None,
-                "error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
-                "finished_at": utc_now(),
-                "lease_expires_at": None,
-            },
+            shape="settle",
+            values={**_OUTCOME_VALUES, "finished_at": utc_now(), "lease_expires_at": None},
+            params=self._outcome_params(outcome),
         )
 
     async def reopen(self, key: CallKey, *, reason: str) -> CallRecord | None:
         """An operator allows an ``unknown`` call to run again: it becomes claimable."""
         return await self._transition(
-            key, [CallStatus.UNKNOWN], CallStatus.PENDING, reason, values={"lease_expires_at": None}
+            key,
+            [CallStatus.UNKNOWN],
+            CallStatus.PENDING,
+            reason,
+            shape="reopen",
+            values={"lease_expires_at": None},
         )
 
     async def expire_leases(self, key: CallKey | None = None) -> list[CallRecord]:
@@ -293,6 +341,7 @@ class LedgerStore:
             RESULT_STATUSES,
             CallStatus.SUBMITTED,
             reason,
+            shape="mark_submitted",
             values={
                 "submitted_at": utc_now(),
                 "submission_count": tool_calls.c.submission_count + 1,
@@ -304,57 +353,64 @@ class LedgerStore:
     async def note_resubmission(self, key: CallKey) -> int:
         """A submitted call still awaited was sent again and accepted again: count it (and say
         so in the audit trail). Returns how many times the call has been submitted."""
-        async with self.engine.begin() as conn:
-            count = (
-                await conn.execute(
-                    tool_calls.update()
-                    .where(_where_key(key), tool_calls.c.status == CallStatus.SUBMITTED.value)
-                    .values(submission_count=tool_calls.c.submission_count + 1, updated_at=utc_now())
-                    .returning(tool_calls.c.submission_count)
-                )
-            ).scalar_one_or_none()
-            if count is None:
-                return 0
-            await self._event(conn, key, "resubmission", None, None, None, "accepted again; still awaited")
-            return int(count)
+
+        def counted(match: ColumnElement[bool]) -> Any:
+            return (
+                tool_calls.update()
+                .where(match, tool_calls.c.status == CallStatus.SUBMITTED.value)
+                .values(submission_count=tool_calls.c.submission_count + 1, updated_at=utc_now())
+                .returning(*_KEY_COLUMNS, tool_calls.c.submission_count)
+            )
+
+        row = await self._change_noted(
+            key, "note_resubmission", counted, {}, "resubmission", None, None, "accepted again; still awaited"
+        )
+        return 0 if row is None else int(row.submission_count)
 
     async def record_submission_failure(self, key: CallKey, error: str) -> None:
-        async with self.engine.begin() as conn:
-            await conn.execute(
+        def counted(match: ColumnElement[bool]) -> Any:
+            return (
                 tool_calls.update()
-                .where(_where_key(key))
+                .where(match)
                 .values(
                     submission_count=tool_calls.c.submission_count + 1,
-                    last_submission_error=_storable(self.redactor.text(error)),
+                    last_submission_error=bindparam("p_error"),
                     updated_at=utc_now(),
                 )
+                .returning(*_KEY_COLUMNS)
             )
-            await self._event(conn, key, "submission_failed", None, None, None, error)
+
+        params = {"p_error": _storable(self.redactor.text(error))}
+        await self._change_noted(
+            key, "record_submission_failure", counted, params, "submission_failed", None, None, error
+        )
 
     async def mark_confirmed(self, key: CallKey) -> bool:
         """The session no longer awaits the submitted result: it was consumed."""
-        async with self.engine.begin() as conn:
-            result = await conn.execute(
+
+        def confirmed(match: ColumnElement[bool]) -> Any:
+            return (
                 tool_calls.update()
                 .where(
-                    _where_key(key),
+                    match,
                     tool_calls.c.status == CallStatus.SUBMITTED.value,
                     tool_calls.c.confirmed_at.is_(None),
                 )
                 .values(confirmed_at=utc_now(), updated_at=utc_now())
+                .returning(*_KEY_COLUMNS)
             )
-            if result.rowcount != 1:
-                return False
-            await self._event(
-                conn,
-                key,
-                "confirmed",
-                CallStatus.SUBMITTED,
-                CallStatus.SUBMITTED,
-                None,
-                "left required_actions",
-            )
-            return True
+
+        row = await self._change_noted(
+            key,
+            "mark_confirmed",
+            confirmed,
+            {},
+            "confirmed",
+            CallStatus.SUBMITTED,
+            CallStatus.SUBMITTED,
+            "left required_actions",
+        )
+        return row is not None
 
     async def abandon(self, key: CallKey, reason: str) -> CallRecord | None:
         """The session stopped awaiting a call before its result was submitted."""
@@ -363,12 +419,14 @@ class LedgerStore:
             [CallStatus.PENDING, CallStatus.RUNNING, CallStatus.UNKNOWN, *RESULT_STATUSES],
             CallStatus.ABANDONED,
             reason,
-            values={"abandoned_reason": _storable(self.redactor.text(reason)), "lease_expires_at": None},
+            shape="abandon",
+            values={"abandoned_reason": bindparam("p_abandoned_reason"), "lease_expires_at": None},
+            params={"p_abandoned_reason": _storable(self.redactor.text(reason))},
         )
 
     async def flag(self, key: CallKey, kind: str, reason: str, detail: str | None = None) -> None:
         """Note something about a call in its audit trail without changing it."""
-        async with self.engine.begin() as conn:
+        async with self._writing() as conn:
             await self._event(conn, key, kind, None, None, None, reason, detail=detail)
 
     # ------------------------------------------------------------------- reads
@@ -489,26 +547,58 @@ class LedgerStore:
         target: CallStatus,
         reason: str,
         *,
+        shape: str,
         values: dict[str, Any],
+        params: dict[str, Any] | None = None,
         event_kind: str = "transition",
     ) -> CallRecord | None:
         """Compare-and-set from the state the row is in now, if that state allows ``target``.
 
+        ``values`` are the columns set besides the status: constant expressions and bind
+        parameters (given in ``params``), so the statement is built once per ``shape``.
         None when the call is in no such state (or changed under us): the caller lost a race.
         """
-        allowed = {s.value for s in from_statuses}
+        allowed = tuple(sorted({s.value for s in from_statuses}))
+        params = {**(params or {}), **self._event_params(reason)}
+        if self._one_statement:
+
+            def build() -> Select[Any]:
+                # Locked first, so the event names the state the row really left (a concurrent
+                # writer's commit is waited for and re-read, as the UPDATE itself would).
+                locked = (
+                    select(tool_calls.c.status.label("from_status"))
+                    .where(_KEY_MATCH)
+                    .with_for_update()
+                    .cte("current_state")
+                )
+                changed = (
+                    tool_calls.update()
+                    .where(
+                        _KEY_MATCH,
+                        tool_calls.c.status == locked.c.from_status,
+                        locked.c.from_status.in_(allowed),
+                    )
+                    .values(status=target.value, updated_at=utc_now(), **values)
+                    .returning(*tool_calls.c, locked.c.from_status)
+                    .cte("changed")
+                )
+                return self._with_event(changed, event_kind, changed.c.from_status, target)
+
+            statement = self._statement((shape, allowed, target, event_kind), build)
+            async with self._autocommit.connect() as conn:
+                row = (await conn.execute(statement, {**params, **_key_params(key)})).first()
+            return None if row is None else _record(row)
         async with self.engine.begin() as conn:
             current = (await conn.execute(select(tool_calls.c.status).where(_where_key(key)))).scalar()
-            if current is None:
-                return None
-            if current not in allowed:
+            if current is None or current not in allowed:
                 return None
             row = (
                 await conn.execute(
                     tool_calls.update()
                     .where(_where_key(key), tool_calls.c.status == current)
                     .values(status=target.value, updated_at=utc_now(), **values)
-                    .returning(tool_calls)
+                    .returning(tool_calls),
+                    params,
                 )
             ).first()
             if row is None:
@@ -516,6 +606,121 @@ class LedgerStore:
             call = _record(row)
             await self._event(conn, key, event_kind, CallStatus(current), target, call.lease_token, reason)
             return call
+
+    def _statement(self, shape: Hashable, build: Callable[[], Any]) -> Any:
+        """A write statement built once per shape (building a CTE costs more than running it)."""
+        statement = self._statements.get(shape)
+        if statement is None:
+            statement = self._statements[shape] = build()
+        return statement
+
+    def _build_completion(self, source: CallStatus, target: CallStatus) -> Select[Any]:
+        return self._with_event(_completion(source, target).cte("changed"), "transition", source, target)
+
+    def _build_record(self) -> Select[Any]:
+        return self._with_event(self._record_insert().cte("recorded"), "transition", None, CallStatus.RUNNING)
+
+    def _record_insert(self) -> Any:
+        return (
+            self._insert(tool_calls)
+            .values(
+                session_id=bindparam("k_session_id"),
+                turn_id=bindparam("k_turn_id"),
+                call_id=bindparam("k_call_id"),
+                tool_name=bindparam("p_tool_name"),
+                arguments=bindparam("p_arguments"),
+                arguments_sha256=bindparam("p_sha256"),
+                status=CallStatus.RUNNING.value,
+                effect_class=bindparam("p_effect_class"),
+                idempotency_key=bindparam("p_idempotency_key"),
+                attempt_count=1,
+                lease_owner=bindparam("e_actor"),
+                lease_token=1,
+                lease_expires_at=utc_after(bindparam("p_lease_seconds", type_=Float)),
+                created_at=utc_now(),
+                started_at=utc_now(),
+                updated_at=utc_now(),
+            )
+            # No conflict target: the idempotency key is unique too, and a racing insert can
+            # hit either constraint first; both mean "already recorded".
+            .on_conflict_do_nothing()
+            .returning(tool_calls)
+        )
+
+    def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for one write: autocommit where writes are single statements."""
+        return self._autocommit.connect() if self._one_statement else self.engine.begin()
+
+    def _event_params(self, reason: str | None) -> dict[str, Any]:
+        return {"e_actor": self.actor, "e_reason": self._audit_text(reason) if reason is not None else None}
+
+    def _outcome_params(self, outcome: Outcome) -> dict[str, Any]:
+        return {
+            "p_result": outcome.payload_json(),
+            "p_error_stage": outcome.stage.value if outcome.stage else None,
+            "p_error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
+        }
+
+    def _with_event(
+        self,
+        changed: CTE,
+        kind: str,
+        from_status: ColumnElement[Any] | CallStatus | None,
+        to_status: CallStatus | None,
+        *,
+        with_token: bool = True,
+    ) -> Select[Any]:
+        """The rows ``changed`` returns, each with its audit event inserted by the same statement
+        (actor and reason are the parameters ``e_actor`` and ``e_reason``)."""
+        rows = select(
+            changed.c.session_id,
+            changed.c.turn_id,
+            changed.c.call_id,
+            utc_now(),
+            bindparam("e_actor", type_=String),
+            literal(kind, String),
+            _status_sql(from_status),
+            _status_sql(to_status),
+            changed.c.lease_token if with_token else null(),
+            bindparam("e_reason", type_=String),
+            null(),
+        )
+        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, rows).cte("logged")
+        return select(changed).add_cte(logged)
+
+    async def _change_noted(
+        self,
+        key: CallKey,
+        shape: str,
+        change: Callable[[ColumnElement[bool]], Any],
+        params: dict[str, Any],
+        kind: str,
+        from_status: CallStatus | None,
+        to_status: CallStatus | None,
+        reason: str,
+    ) -> Row[Any] | None:
+        """Run an UPDATE (built by ``change`` for a key match) returning the key columns; if it
+        changed the row, note it in the trail. No lease token is recorded."""
+        if self._one_statement:
+            statement = self._statement(
+                (shape,),
+                lambda: self._with_event(
+                    change(_KEY_MATCH).cte("changed"), kind, from_status, to_status, with_token=False
+                ),
+            )
+            async with self._autocommit.connect() as conn:
+                values = {**params, **_key_params(key), **self._event_params(reason)}
+                noted: Row[Any] | None = (await conn.execute(statement, values)).first()
+                return noted
+        async with self.engine.begin() as conn:
+            row: Row[Any] | None = (await conn.execute(change(_where_key(key)), params)).first()
+            if row is not None:
+                await self._event(conn, key, kind, from_status, to_status, None, reason)
+            return row
+
+    def _audit_text(self, text: str) -> str:
+        # Every audit line is redacted: reasons quote the API and hooks quote tracebacks.
+        return _storable(self.redactor.text(text))
 
     async def _event(
         self,
@@ -551,6 +756,14 @@ def require(call: CallRecord | None, what: str) -> CallRecord:
     if call is None:
         raise TransitionError(what)
     return call
+
+
+def _status_sql(status: ColumnElement[Any] | CallStatus | None) -> ColumnElement[Any]:
+    if status is None:
+        return null()
+    if isinstance(status, CallStatus):
+        return literal(status.value, String)
+    return status
 
 
 def _storable(text: str) -> str:
