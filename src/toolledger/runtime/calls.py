@@ -2,20 +2,27 @@
 
 The ledger already guarantees at-most-once across processes; this only saves the database
 round trips when one call is announced several times while it runs (a repeated event, a
-reconnect's snapshot, a reconcile pass).
+reconnect's snapshot, a reconcile pass), or again just after this process submitted its
+result (every later ``requires_action`` event of the turn lists the calls still awaited a
+moment before: with ten parallel calls, forty-five such announcements per turn).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
 from toolledger.domain.keys import CallKey
+from toolledger.domain.states import CallStatus
 from toolledger.runtime.executor import Executor, HandleReport
 from toolledger.runtime.failures import log_failure, note_interruption
 
 log = logging.getLogger("toolledger.calls")
+
+SUBMITTED_REMEMBERED = 100_000
 
 
 class CallRunner:
@@ -23,6 +30,8 @@ class CallRunner:
         self.executor = executor
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[CallKey, asyncio.Task[HandleReport]] = {}
+        self._submitted: OrderedDict[CallKey, float] = OrderedDict()
+        """Calls this process saw accepted, and when (monotonic): a listing shortly after is stale."""
         self._accepting = True
 
     @property
@@ -40,6 +49,8 @@ class CallRunner:
             return running
         if not self._accepting:
             return None
+        if self._just_submitted(key):
+            return self._finished(HandleReport(key, "already_submitted", CallStatus.SUBMITTED, True))
         task = asyncio.create_task(self._run(key, action), name=f"call {key}")
         self._inflight[key] = task
         task.add_done_callback(lambda _: self._inflight.pop(key, None))
@@ -57,10 +68,33 @@ class CallRunner:
         if running:
             await asyncio.wait([asyncio.shield(t) for t in running])
 
+    def _just_submitted(self, key: CallKey) -> bool:
+        """Accepted by the API within the resubmission window: the ledger would answer
+        "already submitted" (a submitted call never goes back), so it is not asked."""
+        accepted_at = self._submitted.get(key)
+        window = self.executor.settings.resubmit_after_seconds
+        return accepted_at is not None and time.monotonic() - accepted_at < window
+
+    def _remember(self, report: HandleReport) -> None:
+        if report.submitted and report.action != "already_submitted":
+            self._submitted[report.key] = time.monotonic()
+            self._submitted.move_to_end(report.key)
+            if len(self._submitted) > SUBMITTED_REMEMBERED:
+                self._submitted.popitem(last=False)
+
+    @staticmethod
+    def _finished(report: HandleReport) -> asyncio.Task[HandleReport]:
+        async def known() -> HandleReport:
+            return report
+
+        return asyncio.ensure_future(known())
+
     async def _run(self, key: CallKey, action: Any) -> HandleReport:
         async with self._slots:
             try:
-                return await self.executor.handle(key.session_id, action)
+                report = await self.executor.handle(key.session_id, action)
+                self._remember(report)
+                return report
             except Exception:
                 # Most likely the database or the API is away. The ledger holds how far the
                 # call got; the reconciler picks it up from there.
