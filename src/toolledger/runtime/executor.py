@@ -71,7 +71,7 @@ from toolledger.logs import log_fields
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
-from toolledger.store.engine import is_transient
+from toolledger.store.engine import is_transient, write_lock
 from toolledger.store.ledger import LedgerStore
 from toolledger.tracing import CallSpan, call_span
 
@@ -445,7 +445,8 @@ class Executor:
         """The handler writes through the ledger's transaction; its result joins that commit."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
-            async with self.store.engine.connect() as connection:
+            # On SQLite the tool's writes and the result are this process's writer meanwhile.
+            async with write_lock(self.store.engine), self.store.engine.connect() as connection:
                 transaction = await connection.begin()
                 context = self._context(tool, call)
                 if tool.is_async:

@@ -20,6 +20,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryError, SortKey
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
+from toolledger.store.engine import write_transaction
 from toolledger.store.ledger import _record
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
@@ -196,7 +197,7 @@ class AuditStore:
                 )
         removed = 0
         while True:
-            async with self.engine.begin() as conn:
+            async with write_transaction(self.engine) as conn:
                 keys = [tuple(row) for row in await conn.execute(select(*_KEY).where(finished).limit(batch))]
                 if not keys:
                     return removed

@@ -30,7 +30,7 @@ from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, TransitionError
-from toolledger.store.engine import utc_after, utc_now
+from toolledger.store.engine import utc_after, utc_now, write_transaction
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -171,7 +171,7 @@ class LedgerStore:
                 row = (await conn.execute(statement, params)).first()
             if row is not None:
                 return Recorded(call=_record(row), claimed=True)
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             if not self._one_statement:
                 row = (await conn.execute(self._record_insert(), params)).first()
                 if row is not None:
@@ -313,7 +313,7 @@ class LedgerStore:
         )
         if key is not None:
             statement = statement.where(_where_key(key))
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             rows = (
                 await conn.execute(
                     statement.values(status=CallStatus.UNKNOWN.value, updated_at=utc_now()).returning(
@@ -588,7 +588,7 @@ class LedgerStore:
             async with self._autocommit.connect() as conn:
                 row = (await conn.execute(statement, {**params, **_key_params(key)})).first()
             return None if row is None else _record(row)
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             current = (await conn.execute(select(tool_calls.c.status).where(_where_key(key)))).scalar()
             if current is None or current not in allowed:
                 return None
@@ -649,7 +649,7 @@ class LedgerStore:
 
     def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for one write: autocommit where writes are single statements."""
-        return self._autocommit.connect() if self._one_statement else self.engine.begin()
+        return self._autocommit.connect() if self._one_statement else write_transaction(self.engine)
 
     def _event_params(self, reason: str | None) -> dict[str, Any]:
         return {"e_actor": self.actor, "e_reason": self._audit_text(reason) if reason is not None else None}
@@ -712,7 +712,7 @@ class LedgerStore:
                 values = {**params, **_key_params(key), **self._event_params(reason)}
                 noted: Row[Any] | None = (await conn.execute(statement, values)).first()
                 return noted
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             row: Row[Any] | None = (await conn.execute(change(_where_key(key)), params)).first()
             if row is not None:
                 await self._event(conn, key, kind, from_status, to_status, None, reason)

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
-from toolledger.store.engine import utc_after, utc_now
+from toolledger.store.engine import utc_after, utc_now, write_transaction
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
 
@@ -41,7 +41,7 @@ class SessionStore:
             set_={"watched": True, "reason": None, "updated_at": utc_now()},
             where=sessions.c.watched.is_(False),
         ).returning(sessions.c.session_id)
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             return (await conn.execute(upsert)).first() is not None
 
     async def watch_new(self, session_ids: Iterable[str]) -> int:
@@ -55,7 +55,7 @@ class SessionStore:
             .on_conflict_do_nothing()
             .returning(sessions.c.session_id)
         )
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             added = 0
             for row in rows:
                 added += len((await conn.execute(insert.values(**row))).all())
@@ -72,7 +72,7 @@ class SessionStore:
         }
         if status is not None:
             values["status"] = status
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 sessions.update()
                 .where(sessions.c.session_id == session_id, sessions.c.watched.is_(True))
@@ -86,7 +86,7 @@ class SessionStore:
         values: dict[str, Any] = {"last_polled_at": utc_now(), "status": status, "updated_at": utc_now()}
         if last_event_id is not None:
             values["last_event_id"] = last_event_id
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(sessions.update().where(sessions.c.session_id == session_id).values(**values))
 
     # ------------------------------------------------------------------ leases
@@ -117,7 +117,7 @@ class SessionStore:
             )
             .returning(sessions.c.session_id, sessions.c.lease_token)
         )
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             return {row.session_id: row.lease_token for row in await conn.execute(statement)}
 
     async def renew(self, owner: str, leases: Mapping[str, int], lease_seconds: float) -> set[str]:
@@ -134,7 +134,7 @@ class SessionStore:
             .values(lease_expires_at=utc_after(float(lease_seconds)), updated_at=utc_now())
             .returning(sessions.c.session_id, sessions.c.lease_token)
         )
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             rows = (await conn.execute(statement)).all()
         return {row.session_id for row in rows if leases.get(row.session_id) == row.lease_token}
 
@@ -160,7 +160,7 @@ class SessionStore:
             if not session_ids:
                 return 0
             statement = statement.where(sessions.c.session_id.in_(list(session_ids)))
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             result = await conn.execute(
                 statement.values(owner=None, lease_expires_at=None, updated_at=utc_now())
             )
@@ -183,13 +183,13 @@ class SessionStore:
             index_elements=[replicas.c.replica_id],
             set_={"heartbeat_at": utc_now(), "expires_at": utc_after(float(lease_seconds))},
         )
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(upsert)
             # Rows of replicas long dead are noise in `toolledger status`.
             await conn.execute(replicas.delete().where(replicas.c.expires_at < utc_after(-3600.0)))
 
     async def remove_replica(self, replica_id: str) -> None:
-        async with self.engine.begin() as conn:
+        async with write_transaction(self.engine) as conn:
             await conn.execute(replicas.delete().where(replicas.c.replica_id == replica_id))
 
     async def fair_share(self) -> int:
