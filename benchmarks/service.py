@@ -38,6 +38,8 @@ API_KEY = "sk-bench-not-a-real-key"
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_LOG_LEVEL = os.environ.get("BENCH_SERVE_LOG", "warning")
 """`debug` shows each call's moments in serve's logs (kept in the run's temporary directory)."""
+SERVE_PROFILE = os.environ.get("BENCH_SERVE_PROFILE")
+"""A directory: each `serve` runs under `py-spy record` and leaves a flame graph there."""
 
 
 @asynccontextmanager
@@ -73,12 +75,14 @@ async def serve_process(
     }
     env.pop("TOOLLEDGER_CRASH_AT", None)
     sink = log.open("wb")
+    command = [sys.executable, "-m", "toolledger.cli", "serve", "--tools", TOOLS, "--log-level", SERVE_LOG_LEVEL]
     process = subprocess.Popen(
-        [sys.executable, "-m", "toolledger.cli", "serve", "--tools", TOOLS, "--log-level", SERVE_LOG_LEVEL],
+        command,
         env=env,
         stdout=sink,
         stderr=subprocess.STDOUT,
     )
+    profiler = _profile(process.pid, log.stem)
     try:
         yield process
     finally:
@@ -90,6 +94,19 @@ async def serve_process(
             process.kill()
             process.wait()
         sink.close()
+        if profiler is not None:
+            profiler.wait(timeout=60)  # it writes its flame graph once serve has exited
+
+
+def _profile(pid: int, name: str) -> subprocess.Popen[bytes] | None:
+    if not SERVE_PROFILE:
+        return None
+    output = Path(SERVE_PROFILE) / f"{name}.txt"
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "-o", str(output)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def workload(quick: bool) -> tuple[int, Script, int]:
@@ -239,7 +256,7 @@ async def recovery(database_url: str, base_url: str, quick: bool, workdir: Path)
     """Stored-but-unsubmitted results (what a SIGKILL between commit and submission leaves),
     resubmitted by a starting `serve`; against the SDK submitting as many results directly."""
     per_session = 10
-    count = 10 if quick else 1000
+    count = 10 if quick else int(os.environ.get("BENCH_RECOVERY_SESSIONS", "1000"))
     script = Script.of_calls([("noop", {"n": n}) for n in range(per_session)])
     await asyncio.to_thread(fresh_ledger, database_url)
     async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
@@ -351,7 +368,8 @@ async def run(
 ) -> list[Figure]:
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory(prefix="toolledger-bench-") as directory:
-        workdir = Path(directory)
+        # Profiling keeps serve's logs beside the profiles.
+        workdir = Path(SERVE_PROFILE or directory)
         async with emulator_process() as base_url:
             if "e2e" in parts:
                 count, script, calls = workload(quick)
