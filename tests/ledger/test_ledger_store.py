@@ -598,6 +598,31 @@ async def test_mark_confirmed__a_call_not_submitted_is_not_confirmed(store: Ledg
     assert await current(store, key) == done
 
 
+async def test_mark_confirmed_many__confirms_the_submitted_ones_once_each_with_an_event(
+    store: LedgerStore,
+) -> None:
+    submitted = [new_key(), new_key(), new_key()]
+    for key in submitted:
+        await record_submitted(store, key)
+    not_yet = new_key()
+    await record_succeeded(store, not_yet)
+    await store.mark_confirmed(submitted[0])
+
+    confirmed = await store.mark_confirmed_many([*submitted, not_yet, new_key()])
+
+    assert confirmed == set(submitted[1:])
+    for key in submitted:
+        call = await current(store, key)
+        assert call.confirmed_at is not None
+        trail = await store.events(key)
+        assert [e.kind for e in trail].count("confirmed") == 1
+        assert trail[-1].reason == "left required_actions"
+        assert trail[-1].actor == store.actor
+    assert (await current(store, not_yet)).confirmed_at is None
+    assert await store.mark_confirmed_many(submitted) == set()
+    assert await store.mark_confirmed_many([]) == set()
+
+
 # --------------------------------------------------------------------------------- abandon
 
 

@@ -154,9 +154,20 @@ class Reconciler:
         # Read again: the snapshot predates the retrieve, and a call's own run may have moved
         # it on since (submitted it, say), which must not be mistaken for work left over.
         current = await store.get_many([key for key in unlisted if key not in busy])
-        for call in current.values():
-            if call.status is not CallStatus.ABANDONED and call.confirmed_at is None:
+        unsettled = [
+            c for c in current.values() if c.status is not CallStatus.ABANDONED and c.confirmed_at is None
+        ]
+        # The common case, a turn over with every result in: confirmed in one statement.
+        consumed = [c.key for c in unsettled if c.status is CallStatus.SUBMITTED]
+        confirmed = await store.mark_confirmed_many(consumed)
+        result.actions["confirmed"] += len(confirmed)
+        result.actions["raced"] += len(consumed) - len(confirmed)
+        for call in unsettled:
+            if call.status is not CallStatus.SUBMITTED:
                 result.actions[await self._settle_unlisted(call)] += 1
+        for counted in ("confirmed", "raced"):
+            if not result.actions[counted]:
+                del result.actions[counted]
         if not result.actions["in_flight"]:
             del result.actions["in_flight"]
         await self.sessions.mark_polled(session_id, status=result.status)

@@ -412,6 +412,22 @@ class LedgerStore:
         )
         return row is not None
 
+    async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
+        """``mark_confirmed`` for many calls in one statement (a session's turn, once it ended).
+        Returns the calls confirmed now."""
+        if not keys:
+            return set()
+        if not self._one_statement:
+            return {key for key in keys if await self.mark_confirmed(key)}
+        statement = self._statement(("mark_confirmed_many",), self._build_confirm_many)
+        params = {
+            "p_keys": [(k.session_id, k.turn_id, k.call_id) for k in keys],
+            **self._event_params("left required_actions"),
+        }
+        async with self._autocommit.connect() as conn:
+            rows = (await conn.execute(statement, params)).all()
+        return {CallKey(r.session_id, r.turn_id, r.call_id) for r in rows}
+
     async def abandon(self, key: CallKey, reason: str) -> CallRecord | None:
         """The session stopped awaiting a call before its result was submitted."""
         return await self._transition(
@@ -616,6 +632,25 @@ class LedgerStore:
 
     def _build_completion(self, source: CallStatus, target: CallStatus) -> Select[Any]:
         return self._with_event(_completion(source, target).cte("changed"), "transition", source, target)
+
+    def _build_confirm_many(self) -> Select[Any]:
+        confirmed = (
+            tool_calls.update()
+            .where(
+                tuple_(*_KEY_COLUMNS).in_(bindparam("p_keys", expanding=True)),
+                tool_calls.c.status == CallStatus.SUBMITTED.value,
+                tool_calls.c.confirmed_at.is_(None),
+            )
+            .values(confirmed_at=utc_now(), updated_at=utc_now())
+            .returning(*_KEY_COLUMNS)
+        )
+        return self._with_event(
+            confirmed.cte("changed"),
+            "confirmed",
+            CallStatus.SUBMITTED,
+            CallStatus.SUBMITTED,
+            with_token=False,
+        )
 
     def _build_record(self) -> Select[Any]:
         return self._with_event(self._record_insert().cte("recorded"), "transition", None, CallStatus.RUNNING)
