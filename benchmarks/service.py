@@ -75,7 +75,16 @@ async def serve_process(
     }
     env.pop("TOOLLEDGER_CRASH_AT", None)
     sink = log.open("wb")
-    command = [sys.executable, "-m", "toolledger.cli", "serve", "--tools", TOOLS, "--log-level", SERVE_LOG_LEVEL]
+    command = [
+        sys.executable,
+        "-m",
+        "toolledger.cli",
+        "serve",
+        "--tools",
+        TOOLS,
+        "--log-level",
+        SERVE_LOG_LEVEL,
+    ]
     process = subprocess.Popen(
         command,
         env=env,
