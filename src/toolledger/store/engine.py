@@ -59,33 +59,9 @@ def write_lock(engine: AsyncEngine) -> AbstractAsyncContextManager[Any]:
 
 @asynccontextmanager
 async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
-    """``engine.begin()``, queued behind this process's other SQLite writers (``write_lock``).
-
-    Its commit or rollback is shielded from cancellation: a task cancelled at that moment (a
-    service shutting down) would otherwise leave the connection invalidated with its
-    transaction open, and on SQLite that transaction keeps the file's write lock until the
-    connection is garbage-collected: every later writer then waits out the busy timeout.
-    """
-    async with write_lock(engine):
-        conn = await engine.connect()
-        try:
-            await conn.begin()
-            yield conn
-        except BaseException:
-            await asyncio.shield(_end(conn, commit=False))
-            raise
-        else:
-            await asyncio.shield(_end(conn, commit=True))
-
-
-async def _end(conn: AsyncConnection, *, commit: bool) -> None:
-    try:
-        if commit:
-            await conn.commit()
-        else:
-            await conn.rollback()
-    finally:
-        await conn.close()
+    """``engine.begin()``, queued behind this process's other SQLite writers (``write_lock``)."""
+    async with write_lock(engine), engine.begin() as conn:
+        yield conn
 
 
 def is_transient(error: BaseException) -> bool:
