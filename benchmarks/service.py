@@ -219,11 +219,7 @@ async def toolledger_calls_per_second(
     await asyncio.to_thread(_fresh, database_url)
     async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
         ids = await create_sessions(client, count, script, start=False)
-        engine = create_engine(database_url)
-        try:
-            await SessionStore(engine).watch_new(ids)
-        finally:
-            await engine.dispose()
+        await _watch(database_url, ids)
         log = workdir / f"serve-e2e-{time.monotonic_ns()}.log"
         async with serve_process(database_url, base_url, log) as process:
             await _wait_followed(database_url, ids, process, log)
@@ -249,6 +245,14 @@ async def toolledger_calls_per_second(
             await asyncio.gather(*(start(session_id) for session_id in ids))
             await counter.wait_for(count * calls, process, log, 300)
             return count * calls / (time.perf_counter() - started)
+
+
+async def _watch(database_url: str, session_ids: list[str]) -> None:
+    engine = create_engine(database_url)
+    try:
+        await SessionStore(engine).watch_new(session_ids)
+    finally:
+        await engine.dispose()
 
 
 def _fresh(database_url: str) -> None:
@@ -356,11 +360,7 @@ async def memory(database_url: str, base_url: str, count: int, workdir: Path) ->
     await asyncio.to_thread(fresh_ledger, database_url)
     async with AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=5) as client:
         ids = await create_sessions(client, count, Script.of_calls(), start=False) if count else []
-    engine = create_engine(database_url)
-    try:
-        await SessionStore(engine).watch_new(ids)
-    finally:
-        await engine.dispose()
+    await _watch(database_url, ids)
     log = workdir / f"serve-memory-{count}.log"
     async with serve_process(database_url, base_url, log) as process:
         deadline = time.monotonic() + 60

@@ -21,7 +21,7 @@ from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryErr
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.store.engine import write_transaction
-from toolledger.store.ledger import _record
+from toolledger.store.ledger import _record, call_events
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
 _KEY = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -106,30 +106,7 @@ class AuditStore:
 
     async def events(self, key: CallKey) -> list[CallEvent]:
         async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                select(tool_call_events)
-                .where(
-                    tool_call_events.c.session_id == key.session_id,
-                    tool_call_events.c.turn_id == key.turn_id,
-                    tool_call_events.c.call_id == key.call_id,
-                )
-                .order_by(tool_call_events.c.id)
-            )
-            return [
-                CallEvent(
-                    id=r.id,
-                    key=key,
-                    at=r.at,
-                    actor=r.actor,
-                    kind=r.kind,
-                    from_status=r.from_status,
-                    to_status=r.to_status,
-                    lease_token=r.lease_token,
-                    reason=r.reason,
-                    detail=r.detail,
-                )
-                for r in rows
-            ]
+            return await call_events(conn, key)
 
     async def session_summaries(
         self, session_ids: Sequence[str] | None = None, *, watched: bool | None = None, limit: int = 100

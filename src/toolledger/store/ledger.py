@@ -453,30 +453,7 @@ class LedgerStore:
 
     async def events(self, key: CallKey) -> list[CallEvent]:
         async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                select(tool_call_events)
-                .where(
-                    tool_call_events.c.session_id == key.session_id,
-                    tool_call_events.c.turn_id == key.turn_id,
-                    tool_call_events.c.call_id == key.call_id,
-                )
-                .order_by(tool_call_events.c.id)
-            )
-            return [
-                CallEvent(
-                    id=r.id,
-                    key=key,
-                    at=r.at,
-                    actor=r.actor,
-                    kind=r.kind,
-                    from_status=r.from_status,
-                    to_status=r.to_status,
-                    lease_token=r.lease_token,
-                    reason=r.reason,
-                    detail=r.detail,
-                )
-                for r in rows
-            ]
+            return await call_events(conn, key)
 
     async def in_states(
         self, statuses: Iterable[CallStatus], *, session_id: str | None = None, limit: int = 1000
@@ -787,6 +764,34 @@ class LedgerStore:
         )
 
 
+async def call_events(conn: AsyncConnection, key: CallKey) -> list[CallEvent]:
+    """A call's audit trail, oldest first."""
+    rows = await conn.execute(
+        select(tool_call_events)
+        .where(
+            tool_call_events.c.session_id == key.session_id,
+            tool_call_events.c.turn_id == key.turn_id,
+            tool_call_events.c.call_id == key.call_id,
+        )
+        .order_by(tool_call_events.c.id)
+    )
+    return [
+        CallEvent(
+            id=r.id,
+            key=key,
+            at=r.at,
+            actor=r.actor,
+            kind=r.kind,
+            from_status=r.from_status,
+            to_status=r.to_status,
+            lease_token=r.lease_token,
+            reason=r.reason,
+            detail=r.detail,
+        )
+        for r in rows
+    ]
+
+
 def require(call: CallRecord | None, what: str) -> CallRecord:
     if call is None:
         raise TransitionError(what)
@@ -806,4 +811,4 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-__all__ = ["LedgerStore", "require"]
+__all__ = ["LedgerStore", "call_events", "require"]
