@@ -8,7 +8,7 @@ from typing import Any
 
 import pydantic
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, event, func, select
 
 from tests.ledger.executor_harness import current_actions, pending_actions, running_ledger
 from toolledger.domain.keys import CallKey
@@ -23,6 +23,7 @@ from toolledger.domain.results import (
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.ledger import ToolLedger
+from toolledger.runtime.calls import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.store.engine import create_engine
@@ -110,6 +111,39 @@ async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_list
 
     assert again.action == "already_submitted"
     assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted"]
+
+
+@pytest.mark.parametrize(("window", "asks_the_ledger"), [(60.0, False), (0.0, True)])
+async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_window(
+    window: float, asks_the_ledger: bool, sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    registry = ToolRegistry()
+    runs: list[str] = []
+
+    @registry.tool(effect="at_most_once")
+    def send_mail(to: str) -> str:
+        runs.append(to)
+        return f"sent to {to}"
+
+    session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
+    async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=window) as ledger:
+        runner = CallRunner(ledger.executor, limit=4)
+        first = await runner.run(session_id, action)
+        statements: list[str] = []
+        event.listen(ledger.engine.sync_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        again = await runner.run(session_id, action)
+
+    assert first is not None
+    assert first.action == "executed"
+    assert first.submitted
+    assert again is not None
+    assert again.submitted
+    assert runs == ["a@example.com"]
+    assert bool(statements) is asks_the_ledger
+    assert again.action == ("resubmitted" if asks_the_ledger else "already_submitted")
+    # Sent again past the window: the same Idempotency-Key, answered from the API's record.
+    outcomes = [r.outcome for r in emulator.control.tool_results(session_id)]
+    assert outcomes == (["accepted", "replayed"] if asks_the_ledger else ["accepted"])
 
 
 class Receipt(pydantic.BaseModel):
