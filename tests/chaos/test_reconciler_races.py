@@ -9,13 +9,28 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from tests.service.history import assert_history, create_refunds_table, wait_quiescent
+from tests.service.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
 from tests.service.serve_process import TOOLS, ServeProcess, run_cli
 from tests.service.workload import start_sessions
+from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
 
 SESSIONS = 6
 PASSES = 6
+# Long enough that a reconcile process started once serve has claimed the call (its start
+# up takes a second or two on a loaded machine) still finds the lease live.
+LONG_CALL_MS = 6000
+
+
+async def wait_until_running(
+    database_url: str, session_ids: list[str], tool: str, within: float = 30.0
+) -> None:
+    async with asyncio.timeout(within):
+        while True:
+            calls = await ledger_calls(database_url, session_ids)
+            if any(c.tool_name == tool and c.status is CallStatus.RUNNING for c in calls.values()):
+                return
+            await asyncio.sleep(0.05)
 
 
 async def test_reconcile_passes__racing_a_running_service__post_nothing_twice(
@@ -23,8 +38,15 @@ async def test_reconcile_passes__racing_a_running_service__post_nothing_twice(
 ) -> None:
     await create_refunds_table(postgres_url)
     script = Script.of_calls(
-        [("charge", {"amount": 10, "pause_ms": 1500}), ("notify", {"message": "paid", "pause_ms": 1500})],
-        [("record_refund", {"cents": 5}), ("ship", {"parcel": "P1"}), ("lookup", {"order_id": "A1"})],
+        [
+            ("charge", {"amount": 10, "pause_ms": LONG_CALL_MS}),
+            ("notify", {"message": "paid", "pause_ms": 1500}),
+        ],
+        [
+            ("record_refund", {"cents": 5}),
+            ("ship", {"parcel": "P1"}),
+            ("lookup", {"order_id": "A1"}),
+        ],
         [("charge", {"amount": 5, "pause_ms": 1500})],
     )
     session_ids = await start_sessions(emulator, SESSIONS, script)
@@ -33,6 +55,9 @@ async def test_reconcile_passes__racing_a_running_service__post_nothing_twice(
     summaries = []
     with ServeProcess(postgres_url, emulator.base_url, tmp_path / "serve.log") as serve:
         await asyncio.to_thread(serve.wait_serving)
+        # The first pass goes in while serve holds a call: the race the test is about,
+        # made certain rather than left to the scheduler.
+        await wait_until_running(postgres_url, session_ids, "charge")
         for _ in range(PASSES):
             done = await asyncio.to_thread(
                 run_cli,
