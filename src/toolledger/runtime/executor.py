@@ -71,7 +71,7 @@ from toolledger.logs import log_fields
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
-from toolledger.store.engine import is_transient, write_lock
+from toolledger.store.engine import is_transient, run_to_completion, write_lock
 from toolledger.store.ledger import LedgerStore
 from toolledger.tracing import CallSpan, call_span
 
@@ -395,7 +395,13 @@ class Executor:
             outcome = failed(call.key, str(error), FailureStage.ARGUMENTS)
             return await self.store.complete(call.key, token, outcome)
         if tool.effect is EffectClass.TRANSACTIONAL:
-            return await self._run_transactional(tool, call, arguments)
+            running = self._run_transactional(tool, call, arguments)
+            if self.store.engine.dialect.name == "sqlite":
+                # Its transaction holds the file's write lock: it ends by commit or rollback,
+                # never cut off mid-statement (see run_to_completion). Its handler's timeout
+                # bounds the wait at shutdown.
+                return await run_to_completion(running)
+            return await running
         heartbeat = asyncio.create_task(self._heartbeat(call.key, token))
         try:
             outcome = await self._invoke(tool, self._context(tool, call), arguments)

@@ -20,7 +20,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryError, SortKey
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
-from toolledger.store.engine import write_transaction
+from toolledger.store.engine import uninterrupted_on_sqlite, write_transaction
 from toolledger.store.ledger import _record, call_events
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
@@ -55,6 +55,7 @@ class SessionSummary:
     calls: dict[str, int]
 
 
+@uninterrupted_on_sqlite
 class AuditStore:
     """Read-only queries for audit views, and the pruning of finished calls."""
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from sqlalchemy import DateTime, event, exc
@@ -62,6 +64,61 @@ async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnectio
     """``engine.begin()``, queued behind this process's other SQLite writers (``write_lock``)."""
     async with write_lock(engine), engine.begin() as conn:
         yield conn
+
+
+_T = TypeVar("_T")
+_Store = TypeVar("_Store", bound=type)
+
+
+async def run_to_completion(operation: Coroutine[Any, Any, _T]) -> _T:
+    """Runs ``operation`` to its end even if the caller is cancelled meanwhile; the caller's
+    cancellation is delivered once it has finished.
+
+    Why, on SQLite: a cancellation landing mid-statement makes SQLAlchemy terminate the
+    aiosqlite connection, and when a second cancellation interrupts that (a task cancelled
+    directly and through the task awaiting it, as at shutdown), aiosqlite (0.22) forgets the
+    connection without closing it: its open transaction keeps the file's write lock until
+    the garbage collector finds it, and every other writer waits out the busy timeout (CI:
+    `serve` taking 30 s to stop, "database is locked"). A statement that finishes first
+    ends its transaction normally.
+    """
+    task = asyncio.ensure_future(operation)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the operation itself was cancelled (the loop is closing)
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+
+def uninterrupted_on_sqlite(store: _Store) -> _Store:
+    """Class decorator for a store (anything with an ``engine``): on SQLite each public
+    coroutine method runs to completion despite cancellation (see ``run_to_completion``).
+    PostgreSQL needs no such thing: a cancelled statement's connection is closed cleanly and
+    the server rolls back; the task per call it costs is kept off that path."""
+    for name, member in list(vars(store).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(member):
+            setattr(store, name, _uninterrupted(member))
+    return store
+
+
+_Method = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _uninterrupted(method: _Method) -> _Method:
+    @functools.wraps(method)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.engine.dialect.name != "sqlite":
+            return await method(self, *args, **kwargs)
+        return await run_to_completion(method(self, *args, **kwargs))
+
+    return run
 
 
 def is_transient(error: BaseException) -> bool:

@@ -30,7 +30,7 @@ from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, TransitionError
-from toolledger.store.engine import utc_after, utc_now, write_transaction
+from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -121,6 +121,7 @@ def _record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
     )
 
 
+@uninterrupted_on_sqlite
 class LedgerStore:
     """The only writer of ``tool_calls`` and ``tool_call_events``."""
 

@@ -20,10 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
-from toolledger.store.engine import utc_after, utc_now, write_transaction
+from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
 
+@uninterrupted_on_sqlite
 class SessionStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
