@@ -11,8 +11,9 @@ import inspect
 import logging
 import time
 import traceback
+import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -46,7 +47,7 @@ from toolledger.domain.keys import (
     parse_arguments,
     refused_arguments_preview,
 )
-from toolledger.domain.records import CallRecord
+from toolledger.domain.records import CallRecord, Recorded
 from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import (
     FAILED_MESSAGE,
@@ -153,7 +154,10 @@ class Executor:
             parse_arguments(arguments_text(arguments), self.settings.max_arguments_bytes)
         except ArgumentsRefused as error:
             refused = error
-        recorded = await self.store.record(
+        claim_id = uuid.uuid4().hex
+        recorded = await self._retried_claim(
+            key,
+            self.store.record,
             key,
             tool_name=name,
             arguments=arguments,
@@ -165,6 +169,7 @@ class Executor:
             stored_arguments=(
                 refused_arguments_preview(arguments_text(arguments), self.store.redactor) if refused else None
             ),
+            claim_id=claim_id,
         )
         if recorded.arguments_mismatch:
             log.warning("call %s redelivered with other arguments: refused", key)
@@ -267,12 +272,7 @@ class Executor:
                 return HandleReport(call.key, "running_elsewhere", call.status)
             call = expired[0]
         if call.status is CallStatus.PENDING:
-            claimed = await self.store.claim(
-                call.key,
-                from_statuses=[CallStatus.PENDING],
-                lease_seconds=self.settings.lease_seconds,
-                reason="claimed",
-            )
+            claimed = await self._claim(call.key, CallStatus.PENDING, "claimed")
             if claimed is None:
                 return HandleReport(call.key, "running_elsewhere", None)
             return await self._run_and_submit(self.registry.get(call.tool_name), claimed, "executed")
@@ -314,11 +314,8 @@ class Executor:
                 call.key, outcome, reason=f"gave up after {call.attempt_count} attempts"
             )
             return await self._submitted_report(settled, "settled")
-        claimed = await self.store.claim(
-            call.key,
-            from_statuses=[CallStatus.UNKNOWN],
-            lease_seconds=self.settings.lease_seconds,
-            reason=f"re-run after an unknown outcome ({effect.value})",
+        claimed = await self._claim(
+            call.key, CallStatus.UNKNOWN, f"re-run after an unknown outcome ({effect.value})"
         )
         if claimed is None:
             return HandleReport(call.key, "running_elsewhere", None)
@@ -434,6 +431,42 @@ class Executor:
                 except Exception as error:
                     ambiguous = ambiguous or is_transient(error)
                     raise
+        raise AssertionError("unreachable: the retry policy re-raises")
+
+    async def _claim(self, key: CallKey, source: CallStatus, reason: str) -> CallRecord | None:
+        claimed = await self._retried_claim(
+            key,
+            self.store.claim,
+            key,
+            from_statuses=[source],
+            lease_seconds=self.settings.lease_seconds,
+            reason=reason,
+            claim_id=uuid.uuid4().hex,
+        )
+        return claimed if isinstance(claimed, CallRecord) or claimed is None else claimed.call
+
+    async def _retried_claim(
+        self, key: CallKey, write: Callable[..., Awaitable[Any]], *args: Any, claim_id: str, **kwargs: Any
+    ) -> Any:
+        """A claiming write (record, claim), retried while the database is away. When a try
+        fails after its commit may have happened (the answer lost on the way back), the next
+        try finds the call taken; ``claim_id``, written in the claim's audit event, tells
+        whether it was taken by that lost try, which makes the claim ours, as it is."""
+        ambiguous = False
+        async for attempt in self._database_retrying():
+            with attempt:
+                try:
+                    done = await write(*args, claim_id=claim_id, **kwargs)
+                except Exception as error:
+                    ambiguous = ambiguous or is_transient(error)
+                    raise
+                taken = done is None or (isinstance(done, Recorded) and not done.claimed)
+                if ambiguous and taken:
+                    mine = await self.store.claimed_by(key, claim_id)
+                    if mine is not None:
+                        log.info("call %s: a claim whose commit was not confirmed had committed", key)
+                        return Recorded(call=mine, claimed=True) if isinstance(done, Recorded) else mine
+                return done
         raise AssertionError("unreachable: the retry policy re-raises")
 
     def _database_retrying(self) -> AsyncRetrying:

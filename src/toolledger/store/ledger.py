@@ -146,17 +146,19 @@ class LedgerStore:
         effect_class: EffectClass,
         lease_seconds: float,
         stored_arguments: str | None = None,
+        claim_id: str | None = None,
     ) -> Recorded:
         """Record a delivered call and claim it in one commit (commit point 1), or find it recorded.
 
         A redelivery with other arguments is flagged in the audit trail and reported.
         ``stored_arguments`` replaces the text kept (a preview of refused arguments); the
-        fingerprint is always that of the arguments delivered.
+        fingerprint is always that of the arguments delivered. ``claim_id`` goes into the
+        claim's audit event: after an ambiguous commit, ``claimed_by`` tells whether it was ours.
         """
         fingerprint = arguments_fingerprint(arguments)
         params = {
             **_key_params(key),
-            **self._event_params("recorded and claimed"),
+            **self._event_params("recorded and claimed", _claim_detail(claim_id)),
             "p_tool_name": tool_name,
             "p_arguments": _storable(
                 stored_arguments if stored_arguments is not None else arguments_text(arguments)
@@ -185,6 +187,7 @@ class LedgerStore:
                         CallStatus.RUNNING,
                         call.lease_token,
                         "recorded and claimed",
+                        detail=_claim_detail(claim_id),
                     )
                     return Recorded(call=call, claimed=True)
             existing = await self._get(conn, key)
@@ -212,13 +215,16 @@ class LedgerStore:
         from_statuses: Iterable[CallStatus],
         lease_seconds: float,
         reason: str,
+        claim_id: str | None = None,
     ) -> CallRecord | None:
-        """Take a new lease (a new token) on a recorded call, e.g. to re-run an unknown one."""
+        """Take a new lease (a new token) on a recorded call, e.g. to re-run an unknown one.
+        ``claim_id``: as for ``record``."""
         return await self._transition(
             key,
             from_statuses,
             CallStatus.RUNNING,
             reason,
+            detail=_claim_detail(claim_id),
             shape="claim",
             values={
                 "lease_token": tool_calls.c.lease_token + 1,
@@ -448,6 +454,27 @@ class LedgerStore:
 
     # ------------------------------------------------------------------- reads
 
+    async def claimed_by(self, key: CallKey, claim_id: str) -> CallRecord | None:
+        """The call, if the claim ``claim_id`` committed and still holds its lease (a commit
+        whose answer was lost on the way back is told apart from one that never happened)."""
+        async with self.engine.connect() as conn:
+            token = (
+                await conn.execute(
+                    select(tool_call_events.c.lease_token).where(
+                        tool_call_events.c.session_id == key.session_id,
+                        tool_call_events.c.turn_id == key.turn_id,
+                        tool_call_events.c.call_id == key.call_id,
+                        tool_call_events.c.detail == self._audit_text(f"claim {claim_id}"),
+                    )
+                )
+            ).scalar()
+            if token is None:
+                return None
+            call = await self._get(conn, key)
+        if call is None or call.status is not CallStatus.RUNNING or call.lease_token != token:
+            return None
+        return call
+
     async def get(self, key: CallKey) -> CallRecord | None:
         async with self.engine.connect() as conn:
             return await self._get(conn, key)
@@ -545,6 +572,7 @@ class LedgerStore:
         values: dict[str, Any],
         params: dict[str, Any] | None = None,
         event_kind: str = "transition",
+        detail: str | None = None,
     ) -> CallRecord | None:
         """Compare-and-set from the state the row is in now, if that state allows ``target``.
 
@@ -553,7 +581,7 @@ class LedgerStore:
         None when the call is in no such state (or changed under us): the caller lost a race.
         """
         allowed = tuple(sorted({s.value for s in from_statuses}))
-        params = {**(params or {}), **self._event_params(reason)}
+        params = {**(params or {}), **self._event_params(reason, detail)}
         if self._one_statement:
 
             def build() -> Select[Any]:
@@ -598,7 +626,9 @@ class LedgerStore:
             if row is None:
                 return None
             call = _record(row)
-            await self._event(conn, key, event_kind, CallStatus(current), target, call.lease_token, reason)
+            await self._event(
+                conn, key, event_kind, CallStatus(current), target, call.lease_token, reason, detail=detail
+            )
             return call
 
     def _statement(self, shape: Hashable, build: Callable[[], Any]) -> Any:
@@ -664,8 +694,12 @@ class LedgerStore:
         """A connection for one write: autocommit where writes are single statements."""
         return self._autocommit.connect() if self._one_statement else write_transaction(self.engine)
 
-    def _event_params(self, reason: str | None) -> dict[str, Any]:
-        return {"e_actor": self.actor, "e_reason": self._audit_text(reason) if reason is not None else None}
+    def _event_params(self, reason: str | None, detail: str | None = None) -> dict[str, Any]:
+        return {
+            "e_actor": self.actor,
+            "e_reason": self._audit_text(reason) if reason is not None else None,
+            "e_detail": self._audit_text(detail) if detail is not None else None,
+        }
 
     def _outcome_params(self, outcome: Outcome) -> dict[str, Any]:
         return {
@@ -684,7 +718,7 @@ class LedgerStore:
         with_token: bool = True,
     ) -> Select[Any]:
         """The rows ``changed`` returns, each with its audit event inserted by the same statement
-        (actor and reason are the parameters ``e_actor`` and ``e_reason``)."""
+        (actor, reason and detail are the parameters ``e_actor``, ``e_reason`` and ``e_detail``)."""
         rows = select(
             changed.c.session_id,
             changed.c.turn_id,
@@ -696,7 +730,7 @@ class LedgerStore:
             _status_sql(to_status),
             changed.c.lease_token if with_token else null(),
             bindparam("e_reason", type_=String),
-            null(),
+            bindparam("e_detail", type_=String),
         )
         logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, rows).cte("logged")
         return select(changed).add_cte(logged)
@@ -797,6 +831,10 @@ def require(call: CallRecord | None, what: str) -> CallRecord:
     if call is None:
         raise TransitionError(what)
     return call
+
+
+def _claim_detail(claim_id: str | None) -> str | None:
+    return None if claim_id is None else f"claim {claim_id}"
 
 
 def _status_sql(status: ColumnElement[Any] | CallStatus | None) -> ColumnElement[Any]:
