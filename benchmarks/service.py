@@ -91,8 +91,11 @@ async def serve_process(
         stdout=sink,
         stderr=subprocess.STDOUT,
     )
-    profiler = _profile(process.pid, log.stem)
+    profiler = None
     try:
+        # Inside the try: a profiler that fails to start must not leave serve running (an
+        # orphan replica would compete for the next runs' sessions in the same database).
+        profiler = _profile(process.pid, log.stem)
         yield process
     finally:
         if process.poll() is None:
