@@ -99,9 +99,19 @@ class ServeProcess:
 
 
 def run_cli(
-    *args: str, database_url: str, base_url: str | None = None, timeout: float = 60.0
+    *args: str,
+    database_url: str,
+    base_url: str | None = None,
+    timeout: float = 60.0,
+    python_path: tuple[Path, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TOOLLEDGER_DATABASE_URL": database_url, "PYTHONPATH": str(ROOT)}
+    """``python_path``: directories put ahead of the project's (a ``sitecustomize`` there
+    changes the process before toolledger loads)."""
+    env = {
+        **os.environ,
+        "TOOLLEDGER_DATABASE_URL": database_url,
+        "PYTHONPATH": os.pathsep.join(str(p) for p in (*python_path, ROOT)),
+    }
     env.pop("TOOLLEDGER_CRASH_AT", None)
     if base_url is not None:
         env["TOOLLEDGER_OPENAI_BASE_URL"] = base_url
