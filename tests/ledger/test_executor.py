@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pydantic
@@ -19,6 +20,7 @@ from toolledger.domain.results import (
     TIMEOUT_MESSAGE,
     UNKNOWN_OUTCOME_MESSAGE,
     ToolError,
+    succeeded,
 )
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
@@ -144,6 +146,47 @@ async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_w
     # Sent again past the window: the same Idempotency-Key, answered from the API's record.
     outcomes = [r.outcome for r in emulator.control.tool_results(session_id)]
     assert outcomes == (["accepted", "replayed"] if asks_the_ledger else ["accepted"])
+
+
+@pytest.mark.parametrize("snapshot_matches", [True, False], ids=["same-arguments", "other-arguments"])
+async def test_handle__a_stored_result_in_the_reconcilers_snapshot__is_sent_without_recording_again(
+    snapshot_matches: bool, database_url: str, emulator: EmulatorServer
+) -> None:
+    registry = ToolRegistry()
+    runs: list[str] = []
+
+    @registry.tool(effect="at_most_once")
+    def send_mail(to: str) -> str:
+        runs.append(to)
+        return f"sent to {to}"
+
+    session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
+    key = CallKey(session_id, action.turn_id, action.call_id)
+    async with running_ledger(registry, database_url, emulator) as ledger:
+        # What a worker killed between its result's commit and the submission leaves.
+        recorded = await ledger.store.record(
+            key,
+            tool_name="send_mail",
+            arguments=action.arguments,
+            effect_class=EffectClass.AT_MOST_ONCE,
+            lease_seconds=30,
+        )
+        stored = await ledger.store.complete(key, recorded.call.lease_token, succeeded(key, "sent earlier"))
+        known = stored if snapshot_matches else replace(stored, arguments_sha256="0" * 64)
+        statements: list[str] = []
+        event.listen(ledger.engine.sync_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        report = await ledger.executor.handle(session_id, action, known)
+        after = await ledger.store.get(key)
+
+    assert report.action == "resubmitted"
+    assert runs == [], "a stored result is never re-run"
+    assert [p["output"] for p in accepted_payloads(emulator, session_id)] == ["sent earlier"]
+    assert after is not None
+    assert after.status is CallStatus.SUBMITTED
+    recorded_again = any("INSERT INTO tool_calls" in s for s in statements)
+    # A snapshot whose arguments differ from the delivery proves nothing: the call is recorded
+    # (and its arguments compared) as usual.
+    assert recorded_again is not snapshot_matches
 
 
 class Receipt(pydantic.BaseModel):

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.runtime.executor import Executor, HandleReport
 from toolledger.runtime.failures import log_failure, note_interruption
@@ -41,8 +42,11 @@ class CallRunner:
     def is_running(self, key: CallKey) -> bool:
         return key in self._inflight
 
-    def dispatch(self, session_id: str, action: Any) -> asyncio.Task[HandleReport] | None:
-        """Start handling a ``function_call`` action (or join the run already going on)."""
+    def dispatch(
+        self, session_id: str, action: Any, known: CallRecord | None = None
+    ) -> asyncio.Task[HandleReport] | None:
+        """Start handling a ``function_call`` action (or join the run already going on);
+        ``known`` as for ``Executor.handle``."""
         key = CallKey(session_id, _field(action, "turn_id"), _field(action, "call_id"))
         running = self._inflight.get(key)
         if running is not None:
@@ -51,14 +55,14 @@ class CallRunner:
             return None
         if self._just_submitted(key):
             return self._finished(HandleReport(key, "already_submitted", CallStatus.SUBMITTED, True))
-        task = asyncio.create_task(self._run(key, action), name=f"call {key}")
+        task = asyncio.create_task(self._run(key, action, known), name=f"call {key}")
         self._inflight[key] = task
         task.add_done_callback(lambda _: self._inflight.pop(key, None))
         return task
 
-    async def run(self, session_id: str, action: Any) -> HandleReport | None:
+    async def run(self, session_id: str, action: Any, known: CallRecord | None = None) -> HandleReport | None:
         """Handle an action and wait for the report (None when shutting down)."""
-        task = self.dispatch(session_id, action)
+        task = self.dispatch(session_id, action, known)
         # Shielded: a caller giving up (a follower reconnecting) must not cancel the call.
         return None if task is None else await asyncio.shield(task)
 
@@ -89,10 +93,10 @@ class CallRunner:
 
         return asyncio.ensure_future(known())
 
-    async def _run(self, key: CallKey, action: Any) -> HandleReport:
+    async def _run(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
         async with self._slots:
             try:
-                report = await self.executor.handle(key.session_id, action)
+                report = await self.executor.handle(key.session_id, action, known)
                 self._remember(report)
                 return report
             except Exception:

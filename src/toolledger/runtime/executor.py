@@ -43,6 +43,7 @@ from toolledger.crashpoints import (
 from toolledger.domain.keys import (
     ArgumentsRefused,
     CallKey,
+    arguments_fingerprint,
     arguments_text,
     parse_arguments,
     refused_arguments_preview,
@@ -129,15 +130,28 @@ class Executor:
 
     # ------------------------------------------------------------------ entry
 
-    async def handle(self, session_id: str, action: Any) -> HandleReport:
-        """Handle one ``function_call`` entry of a session's ``required_actions``."""
+    async def handle(self, session_id: str, action: Any, known: CallRecord | None = None) -> HandleReport:
+        """Handle one ``function_call`` entry of a session's ``required_actions``.
+
+        ``known``: the call as the ledger held it moments ago (a reconciler's snapshot). A
+        stored result there is sent without recording the call again: results never change,
+        and a submission that raced another process's is harmless (same bytes, same key).
+        """
         turn_id, call_id, name, arguments = _action_fields(action)
         key = CallKey(session_id, turn_id, call_id)
         with (
             log_fields(session_id=session_id, turn_id=turn_id, call_id=call_id),
             call_span("toolledger.call", key, tool=name) as span,
         ):
-            report = await self._handle(key, name, arguments)
+            if (
+                known is not None
+                and known.key == key
+                and known.status in RESULT_STATUSES
+                and known.arguments_sha256 == arguments_fingerprint(arguments)
+            ):
+                report = await self._continue(known)
+            else:
+                report = await self._handle(key, name, arguments)
             _note_report(span, report)
             log.debug("call %s (%s): %s, now %s", call_id, name, report.action, report.status)
             return report

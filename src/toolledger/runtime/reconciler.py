@@ -35,7 +35,9 @@ from toolledger.store.sessions import SessionStore
 
 log = logging.getLogger("toolledger.reconciler")
 
-RunCall = Callable[[str, Any], Awaitable[HandleReport | None]]
+RunCall = Callable[[str, Any, CallRecord | None], Awaitable[HandleReport | None]]
+"""Runs a listed call: its session, the ``function_call`` action, the call as the ledger
+held it before the session was read (if it did)."""
 LOGGED_ACTIONS_KEPT = 10_000
 DEFAULT_CONCURRENCY = 16
 
@@ -204,7 +206,9 @@ class Reconciler:
     async def _run_listed(
         self, result: SessionReconciliation, listed: dict[CallKey, FunctionCallAction]
     ) -> None:
-        reports = await asyncio.gather(*(self._run_call(k.session_id, a) for k, a in listed.items()))
+        reports = await asyncio.gather(
+            *(self._run_call(k.session_id, a, result.known.get(k)) for k, a in listed.items())
+        )
         for report in reports:
             result.actions[report.action if report is not None else "shutting_down"] += 1
 
