@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.ledger.executor_harness import pending_actions
 from tests.service.serve_process import TOOLS, run_cli
@@ -69,48 +70,60 @@ def clock_of(python_path: Path) -> float:
     return wall
 
 
+async def held_by_worker_a(
+    store: LedgerStore, emulator: EmulatorServer, lease_seconds: float
+) -> tuple[CallKey, int]:
+    """A watched session whose one pending call worker A (this process) has claimed, its
+    handler as good as running: the key and worker A's lease token."""
+    session_id, (action,) = await pending_actions(emulator, [("charge", {"amount": 3})])
+    key = CallKey(session_id, action.turn_id, action.call_id)
+    held = await store.record(
+        key,
+        tool_name=action.name,
+        arguments=action.arguments,
+        effect_class=EffectClass.AT_MOST_ONCE,
+        lease_seconds=lease_seconds,
+    )
+    assert held.claimed
+    await SessionStore(store.engine).watch(session_id)
+    return key, held.call.lease_token
+
+
+def skewed_reconcile(skewed: Path, database_url: str, emulator: EmulatorServer) -> dict[str, Any]:
+    done = run_cli(
+        "reconcile",
+        "--tools",
+        TOOLS,
+        "--json",
+        database_url=database_url,
+        base_url=emulator.base_url,
+        python_path=(skewed,),
+    )
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary
+
+
 async def test_a_worker_ten_minutes_fast__finds_a_live_lease_live_and_runs_nothing(
     database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
 ) -> None:
     skewed = fast_clock(tmp_path / "fast-clock")
     assert clock_of(skewed) - time.time() > SKEW_SECONDS - 5, "the skew did not take"
-
-    session_id, (action,) = await pending_actions(emulator, [("charge", {"amount": 3})])
-    key = CallKey(session_id, action.turn_id, action.call_id)
     engine = create_engine(database_url)
     try:
         store = LedgerStore(engine, actor="worker-a")
-        # Worker A (this process) has the call: claimed, its handler as good as running.
-        held = await store.record(
-            key,
-            tool_name=action.name,
-            arguments=action.arguments,
-            effect_class=EffectClass.AT_MOST_ONCE,
-            lease_seconds=LEASE_SECONDS,
-        )
-        assert held.claimed
-        await SessionStore(engine).watch(session_id)
+        key, token = await held_by_worker_a(store, emulator, LEASE_SECONDS)
 
-        done = run_cli(
-            "reconcile",
-            "--tools",
-            TOOLS,
-            "--json",
-            database_url=database_url,
-            base_url=emulator.base_url,
-            python_path=(skewed,),
-        )
-        assert done.returncode == 0, done.stderr
-        summary = json.loads(done.stdout)
+        summary = skewed_reconcile(skewed, database_url, emulator)
+
         assert summary["actions"] == {"running_elsewhere": 1}, summary
-
         call = await store.get(key)
         assert call is not None
         assert call.status is CallStatus.RUNNING, "worker A's live lease was taken"
-        assert call.lease_token == held.call.lease_token, "a new lease was taken over worker A's"
+        assert call.lease_token == token, "a new lease was taken over worker A's"
         assert [e.kind for e in await store.events(key)] == ["transition"], "the trail moved on"
         assert read_effects(effects_file) == [], "the skewed worker ran the handler"
-        assert not emulator.control.accepted_results(session_id), "the skewed worker answered"
+        assert not emulator.control.accepted_results(key.session_id), "the skewed worker answered"
     finally:
         await engine.dispose()
 
@@ -120,30 +133,14 @@ async def test_the_same_worker__a_lease_run_out_on_the_database_clock__is_expire
 ) -> None:
     """The control: the skewed process does expire leases, once the database says so."""
     skewed = fast_clock(tmp_path / "fast-clock")
-    session_id, (action,) = await pending_actions(emulator, [("charge", {"amount": 3})])
-    key = CallKey(session_id, action.turn_id, action.call_id)
     engine = create_engine(database_url)
     try:
         store = LedgerStore(engine, actor="worker-a")
-        await store.record(
-            key,
-            tool_name=action.name,
-            arguments=action.arguments,
-            effect_class=EffectClass.AT_MOST_ONCE,
-            lease_seconds=0.2,
-        )
-        await SessionStore(engine).watch(session_id)
+        key, _token = await held_by_worker_a(store, emulator, lease_seconds=0.2)
         await asyncio.sleep(0.5)
-        done = run_cli(
-            "reconcile",
-            "--tools",
-            TOOLS,
-            "--json",
-            database_url=database_url,
-            base_url=emulator.base_url,
-            python_path=(skewed,),
-        )
-        assert done.returncode == 0, done.stderr
+
+        skewed_reconcile(skewed, database_url, emulator)
+
         call = await store.get(key)
         assert call is not None
         assert call.status is CallStatus.UNKNOWN, "an at_most_once call whose worker died is unknown"

@@ -115,10 +115,8 @@ async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_list
     assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted"]
 
 
-@pytest.mark.parametrize(("window", "asks_the_ledger"), [(60.0, False), (0.0, True)])
-async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_window(
-    window: float, asks_the_ledger: bool, sqlite_url: str, emulator: EmulatorServer
-) -> None:
+def mail_registry() -> tuple[ToolRegistry, list[str]]:
+    """An at_most_once ``send_mail`` tool, and the addresses it really mailed."""
     registry = ToolRegistry()
     runs: list[str] = []
 
@@ -127,6 +125,14 @@ async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_w
         runs.append(to)
         return f"sent to {to}"
 
+    return registry, runs
+
+
+@pytest.mark.parametrize(("window", "asks_the_ledger"), [(60.0, False), (0.0, True)])
+async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_window(
+    window: float, asks_the_ledger: bool, sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    registry, runs = mail_registry()
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
     async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=window) as ledger:
         runner = CallRunner(ledger.executor, limit=4)
@@ -152,14 +158,7 @@ async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_w
 async def test_handle__a_stored_result_in_the_reconcilers_snapshot__is_sent_without_recording_again(
     snapshot_matches: bool, database_url: str, emulator: EmulatorServer
 ) -> None:
-    registry = ToolRegistry()
-    runs: list[str] = []
-
-    @registry.tool(effect="at_most_once")
-    def send_mail(to: str) -> str:
-        runs.append(to)
-        return f"sent to {to}"
-
+    registry, runs = mail_registry()
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
     key = CallKey(session_id, action.turn_id, action.call_id)
     async with running_ledger(registry, database_url, emulator) as ledger:
