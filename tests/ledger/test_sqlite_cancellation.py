@@ -97,3 +97,15 @@ async def test_run_to_completion__not_cancelled__returns_the_result_and_raises_i
     assert await run_to_completion(ok()) == 7
     with pytest.raises(ValueError, match="boom"):
         await run_to_completion(broken())
+
+
+async def test_run_to_completion__cancelled_then_the_operation_fails__the_caller_is_cancelled() -> None:
+    async def failing_later() -> int:
+        await asyncio.sleep(0.05)
+        raise ValueError("boom")
+
+    task = asyncio.create_task(run_to_completion(failing_later()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

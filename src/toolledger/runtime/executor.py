@@ -73,7 +73,7 @@ from toolledger.logs import log_fields
 from toolledger.runtime.context import ToolContext, bind_context, reset_context
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
-from toolledger.store.engine import is_transient, run_to_completion, write_lock
+from toolledger.store.engine import finished_on_sqlite, is_transient, write_lock
 from toolledger.store.ledger import LedgerStore
 from toolledger.tracing import CallSpan, call_span
 
@@ -406,13 +406,10 @@ class Executor:
             outcome = failed(call.key, str(error), FailureStage.ARGUMENTS)
             return await self.store.complete(call.key, token, outcome)
         if tool.effect is EffectClass.TRANSACTIONAL:
-            running = self._run_transactional(tool, call, arguments)
-            if self.store.engine.dialect.name == "sqlite":
-                # Its transaction holds the file's write lock: it ends by commit or rollback,
-                # never cut off mid-statement (see run_to_completion). Its handler's timeout
-                # bounds the wait at shutdown.
-                return await run_to_completion(running)
-            return await running
+            # On SQLite its transaction holds the file's write lock: it ends by commit or
+            # rollback, never cut off mid-statement (see run_to_completion). Its handler's
+            # timeout bounds the wait at shutdown.
+            return await finished_on_sqlite(self.store.engine, self._run_transactional(tool, call, arguments))
         heartbeat = asyncio.create_task(self._heartbeat(call.key, token))
         try:
             outcome = await self._invoke(tool, self._context(tool, call), arguments)
@@ -448,7 +445,7 @@ class Executor:
         raise AssertionError("unreachable: the retry policy re-raises")
 
     async def _claim(self, key: CallKey, source: CallStatus, reason: str) -> CallRecord | None:
-        claimed = await self._retried_claim(
+        claimed: CallRecord | None = await self._retried_claim(
             key,
             self.store.claim,
             key,
@@ -457,7 +454,7 @@ class Executor:
             reason=reason,
             claim_id=uuid.uuid4().hex,
         )
-        return claimed if isinstance(claimed, CallRecord) or claimed is None else claimed.call
+        return claimed
 
     async def _retried_claim(
         self, key: CallKey, write: Callable[..., Awaitable[Any]], *args: Any, claim_id: str, **kwargs: Any

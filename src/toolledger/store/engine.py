@@ -84,17 +84,24 @@ async def run_to_completion(operation: Coroutine[Any, Any, _T]) -> _T:
     """
     task = asyncio.ensure_future(operation)
     cancelled = False
-    while True:
+    while not task.done():
         try:
-            result = await asyncio.shield(task)
+            # wait() neither cancels the task nor raises its error: both are settled below.
+            await asyncio.wait([task])
         except asyncio.CancelledError:
-            if task.done():
-                raise  # the operation itself was cancelled (the loop is closing)
             cancelled = True
-            continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return result
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # seen: the caller's cancellation is what it gets
+        raise asyncio.CancelledError
+    return task.result()
+
+
+async def finished_on_sqlite(engine: AsyncEngine, operation: Coroutine[Any, Any, _T]) -> _T:
+    """``operation`` on this engine, run to completion on SQLite (``run_to_completion``)."""
+    if engine.dialect.name != "sqlite":
+        return await operation
+    return await run_to_completion(operation)
 
 
 def uninterrupted_on_sqlite(store: _Store) -> _Store:
@@ -114,9 +121,7 @@ _Method = Callable[..., Coroutine[Any, Any, Any]]
 def _uninterrupted(method: _Method) -> _Method:
     @functools.wraps(method)
     async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.engine.dialect.name != "sqlite":
-            return await method(self, *args, **kwargs)
-        return await run_to_completion(method(self, *args, **kwargs))
+        return await finished_on_sqlite(self.engine, method(self, *args, **kwargs))
 
     return run
 
