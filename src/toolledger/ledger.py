@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import uuid
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +25,9 @@ from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store import migrate
 from toolledger.store.engine import create_engine
+from toolledger.store.exclusive import SQLiteServiceLock
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.liveness import Liveness, liveness_for
 
 
 def default_worker_id() -> str:
@@ -65,6 +68,11 @@ class ToolLedger:
         self.run_handlers = run_handlers
         self.settings = settings or Settings()
         self.worker_id = self.settings.worker_id or default_worker_id()
+        # Unique per process even when replicas share a configured worker id: leases name
+        # processes, so that one known to be gone can have its leases taken (store.liveness).
+        self.instance_id = f"{self.worker_id}/{uuid.uuid4().hex[:8]}"
+        self.serve_lock = SQLiteServiceLock(self.settings.database_url)
+        self._liveness: Liveness | None = None
         self._engine = engine
         self._own_engine = engine is None
         self._gateway = gateway
@@ -99,9 +107,17 @@ class ToolLedger:
                 base_url=self.settings.openai_base_url,
                 attempts=self.settings.submit_attempts,
             )
-        store = LedgerStore(self._engine, actor=self.worker_id, redactor=self.redactor)
+        store = LedgerStore(
+            self._engine, actor=self.worker_id, owner=self.instance_id, redactor=self.redactor
+        )
+        self._liveness = liveness_for(self._engine, self.instance_id, self.serve_lock)
         self._executor = Executor(
-            self.registry, store, self._gateway, self.settings, run_handlers=self.run_handlers
+            self.registry,
+            store,
+            self._gateway,
+            self.settings,
+            run_handlers=self.run_handlers,
+            liveness=self._liveness,
         )
         return self
 
@@ -124,6 +140,12 @@ class ToolLedger:
         if self._executor is None:
             raise RuntimeError("ToolLedger is not started: use `async with ToolLedger(...)`")
         return self._executor
+
+    @property
+    def liveness(self) -> Liveness:
+        if self._liveness is None:
+            raise RuntimeError("ToolLedger is not started: use `async with ToolLedger(...)`")
+        return self._liveness
 
     @property
     def engine(self) -> AsyncEngine:

@@ -198,8 +198,9 @@ async def assert_history(
         assert trail[0].reason == "recorded and claimed"
         assert [e.id for e in trail] == sorted(e.id for e in trail)
         if calls[key].status is CallStatus.UNKNOWN:
-            # Cut off by the kill: its lease ran out, nobody guessed its outcome.
-            assert any(e.to_status == "unknown" and "expired" in (e.reason or "") for e in trail)
+            # Cut off by the kill: its lease ran out, or its owner was found gone; nobody
+            # guessed its outcome.
+            assert any(e.to_status == "unknown" and _cut_off(e.reason) for e in trail)
     unknown = sum(c.status is CallStatus.UNKNOWN for c in calls.values())
     return {
         "calls": len(calls),
@@ -219,3 +220,7 @@ async def _trails(database_url: str, keys: list[CallKey]) -> dict[CallKey, list[
         return {key: await store.events(key) for key in keys}
     finally:
         await engine.dispose()
+
+
+def _cut_off(reason: str | None) -> bool:
+    return reason is not None and ("expired" in reason or "is gone" in reason)

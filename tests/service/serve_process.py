@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,18 @@ class ServeProcess:
         *,
         crash_at: str | None = None,
         extra_args: tuple[str, ...] = (),
+        settings: Mapping[str, str] | None = None,
         **environment: str,
     ) -> None:
+        """``settings`` and ``environment``: variables over the fast timers (a mapping, or
+        keywords)."""
         env = {
             **os.environ,
             **FAST_ENVIRONMENT,
             "TOOLLEDGER_DATABASE_URL": database_url,
             "TOOLLEDGER_OPENAI_BASE_URL": base_url,
             "PYTHONPATH": str(ROOT),
+            **(settings or {}),
             **environment,
         }
         env.pop("TOOLLEDGER_CRASH_AT", None)

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -312,11 +312,10 @@ async def test_replicas__one_sigkilled_mid_load__survivors_take_over_and_nothing
         return set(new_leases) == orphans
 
     await eventually(taken_over, within=TAKE_OVER_WITHIN, what=f"{sorted(orphans)} taken over")
-    # Each new lease was taken (it runs a lease from then: seen within 50 ms, before its
-    # first renewal) only once the dead replica's had run out, never stolen before.
-    for session_id, expired in expiring.items():
-        acquired = new_leases[session_id] - timedelta(seconds=SESSION_LEASE)
-        assert acquired >= expired - timedelta(milliseconds=50), f"{session_id} taken over too soon"
+    # The dead replica is provably gone (its liveness lock went with it): its sessions are
+    # taken without waiting for its leases to run out (a paused replica's are not:
+    # tests/service/test_recovery_speed.py).
+    assert any("gone (liveness lock free)" in p.log() for p in processes if p is not victim)
     await eventually(
         lambda: owned_by_all(sessions_store, session_ids, survivors, at_least=4),
         within=TAKE_OVER_WITHIN,
@@ -331,7 +330,7 @@ async def test_replicas__one_sigkilled_mid_load__survivors_take_over_and_nothing
     assert [e.pid for e in effects if call_of(e) == call_of(charge)] == [victim.pid]
     cut_off, trail = await ledger_record(postgres_url, call_of(charge))
     assert cut_off.status is CallStatus.UNKNOWN
-    assert any(e.to_status == "unknown" and "expired" in (e.reason or "") for e in trail)
+    assert any(e.to_status == "unknown" and "is gone" in (e.reason or "") for e in trail)
     assert [r for r in emulator.control.tool_results(charge.session_id) if r.call_id == charge.call_id] == []
     assert states[charge.session_id] == "waiting_for_operator"
     # The `notify` cut off by the kill ran again (idempotent) on a survivor, which carried its

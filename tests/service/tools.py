@@ -107,3 +107,11 @@ def explode_once(ctx: ToolContext) -> str:
     _effect("explode_once", ctx)
     os.kill(os.getpid(), signal.SIGKILL)
     return "unreachable"
+
+
+@registry.tool(name="hold_funds", unknown_deadline=2.0)
+def hold_funds(cents: int, ctx: ToolContext) -> str:
+    """Hold funds: at most once; an unknown outcome is given up after 2 s with a fixed failure."""
+    _effect("hold_funds", ctx)
+    crash_point(CP_INSIDE_HANDLER)
+    return f"held {cents}"

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from toolledger.domain.keys import CallKey
@@ -27,8 +28,12 @@ SUBMITTED_REMEMBERED = 100_000
 
 
 class CallRunner:
-    def __init__(self, executor: Executor, limit: int) -> None:
+    def __init__(
+        self, executor: Executor, limit: int, *, on_report: Callable[[HandleReport], None] | None = None
+    ) -> None:
+        """``on_report`` hears of every call handled (the service schedules what waits)."""
         self.executor = executor
+        self._on_report = on_report
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[CallKey, asyncio.Task[HandleReport]] = {}
         self._submitted: OrderedDict[CallKey, float] = OrderedDict()
@@ -98,6 +103,8 @@ class CallRunner:
             try:
                 report = await self.executor.handle(key.session_id, action, known)
                 self._remember(report)
+                if self._on_report is not None:
+                    self._on_report(report)
                 return report
             except Exception:
                 # Most likely the database or the API is away. The ledger holds how far the

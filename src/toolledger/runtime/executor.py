@@ -75,6 +75,7 @@ from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store.engine import finished_on_sqlite, is_transient, write_lock
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.liveness import Liveness
 from toolledger.tracing import CallSpan, call_span
 
 log = logging.getLogger("toolledger.executor")
@@ -91,6 +92,15 @@ class SubmitOutcome(StrEnum):
     """No gateway, or no stored result."""
 
 
+LEASE_WAKE_MARGIN = 0.25
+"""Seconds past a lease's expiry before looking again: the expiry is compared on the
+database's clock, and a look exactly at the expiry could find it a hair short."""
+SUBMIT_RETRY_FIRST = 1.0
+SUBMIT_RETRY_MAX = 30.0
+VERIFY_RETRY_SECONDS = 5.0
+"""A verify hook that could not tell (its downstream away) is asked again after this."""
+
+
 @dataclass(frozen=True)
 class HandleReport:
     """What handling one delivered call did."""
@@ -101,6 +111,10 @@ class HandleReport:
     refused_arguments_mismatch, fenced, abandoned or nothing_to_do."""
     status: CallStatus | None
     submitted: bool = False
+    retry_in: float | None = None
+    """Seconds after which the call should be looked at again, when it waits for something
+    whose end is known: another worker's lease, an ``unknown_deadline``, a submission's
+    backoff. None when nothing will change by itself."""
 
 
 @dataclass
@@ -118,15 +132,18 @@ class Executor:
         settings: Settings,
         *,
         run_handlers: bool = True,
+        liveness: Liveness | None = None,
     ) -> None:
         """``run_handlers=False``: a process without the application's tools (``toolledger
         reconcile`` with no ``--tools``) resubmits and confirms, but never runs or settles a
-        call: that needs the tool's code and declaration."""
+        call: that needs the tool's code and declaration. ``liveness`` tells which lease
+        owners are provably gone, so their calls are taken without waiting for the lease."""
         self.registry = registry
         self.store = store
         self.gateway = gateway
         self.settings = settings
         self.run_handlers = run_handlers
+        self.liveness = liveness
 
     # ------------------------------------------------------------------ entry
 
@@ -196,7 +213,7 @@ class Executor:
     async def recover(self) -> RecoveryReport:
         """Pick up every call a crash or a lost connection left behind."""
         report = RecoveryReport()
-        report.expired = len(await self.store.expire_leases())
+        report.expired = len(await self.store.expire_leases(gone_owners=await self.gone_owners()))
         crash_point(CP_DURING_RECOVERY)
         for call in await self.store.in_states([CallStatus.UNKNOWN, CallStatus.PENDING]):
             report.actions[(await self._continue(call)).action] += 1
@@ -204,6 +221,12 @@ class Executor:
             outcome = await self.submit(call)
             report.actions["resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"] += 1
         return report
+
+    async def gone_owners(self) -> frozenset[str]:
+        """Owners of running calls that are provably gone (their leases can be taken now)."""
+        if self.liveness is None:
+            return frozenset()
+        return await self.liveness.gone(await self.store.running_owners())
 
     async def handle_recorded(self, call: CallRecord) -> HandleReport:
         """Carry on with a call already in the ledger, as if the session had just listed it
@@ -281,9 +304,11 @@ class Executor:
         ):
             return HandleReport(call.key, "left_for_service", call.status)
         if call.status is CallStatus.RUNNING:
-            expired = await self.store.expire_leases(call.key)
+            expired = await self.take_over(call)
             if not expired:
-                return HandleReport(call.key, "running_elsewhere", call.status)
+                wait = await self.store.lease_remaining(call.key)
+                retry_in = None if wait is None else wait + LEASE_WAKE_MARGIN
+                return HandleReport(call.key, "running_elsewhere", call.status, retry_in=retry_in)
             call = expired[0]
         if call.status is CallStatus.PENDING:
             claimed = await self._claim(call.key, CallStatus.PENDING, "claimed")
@@ -293,6 +318,18 @@ class Executor:
         if call.status is CallStatus.UNKNOWN:
             return await self._settle_unknown(call)
         return HandleReport(call.key, "nothing_to_do", call.status)
+
+    async def take_over(self, call: CallRecord) -> list[CallRecord]:
+        """A running call whose lease ran out, or whose owner is provably gone, becomes
+        ``unknown`` (to be settled by its effect class); [] while its owner may still run it."""
+        expired = await self.store.expire_leases(call.key)
+        owner = call.lease_owner
+        if expired or self.liveness is None or owner is None or owner == self.store.owner:
+            return expired
+        if not await self.liveness.gone([owner]):
+            return []
+        log.info("call %s: its lease owner %s is gone; taking the call over", call.key, owner)
+        return await self.store.expire_leases(call.key, gone_owners=[owner])
 
     async def _note_unconfirmed(self, call: CallRecord) -> None:
         """Accepted again and again, yet still awaited: the service says "accepted" but does
@@ -318,7 +355,12 @@ class Executor:
                 )
                 return await self._submitted_report(settled, "settled")
             if kind != "not_executed":
-                return await self._wait_or_give_up(tool, call)
+                waiting = await self._wait_or_give_up(tool, call)
+                if waiting.action != "waiting_for_operator":
+                    return waiting
+                # The hook could not tell (its downstream away, say): ask it again soon.
+                retry_in = min(waiting.retry_in or VERIFY_RETRY_SECONDS, VERIFY_RETRY_SECONDS)
+                return replace(waiting, retry_in=retry_in)
         elif not effect.rerun_is_safe:
             return await self._wait_or_give_up(tool, call)
         max_attempts = (tool.max_attempts if tool else None) or self.settings.max_attempts
@@ -358,19 +400,21 @@ class Executor:
 
     async def _wait_or_give_up(self, tool: RegisteredTool | None, call: CallRecord) -> HandleReport:
         deadline = tool.unknown_deadline if tool is not None else None
-        if deadline is not None and _seconds_since(call.lease_expires_at or call.created_at) >= deadline:
+        if deadline is None:
+            return HandleReport(call.key, "waiting_for_operator", call.status)
+        waited = _seconds_since(call.lease_expires_at or call.created_at)
+        if waited >= deadline:
             outcome = failed(call.key, UNKNOWN_OUTCOME_MESSAGE, FailureStage.RECOVERY)
             settled = await self.store.settle(
                 call.key, outcome, reason=f"unknown for more than {deadline:g}s: fixed failure submitted"
             )
             return await self._submitted_report(settled, "settled")
-        return HandleReport(call.key, "waiting_for_operator", call.status)
+        return HandleReport(call.key, "waiting_for_operator", call.status, retry_in=deadline - waited)
 
     async def _submitted_report(self, call: CallRecord | None, action: str) -> HandleReport:
         if call is None:
             return HandleReport(CallKey("", "", ""), "running_elsewhere", None)
-        outcome = await self.submit(call)
-        return HandleReport(call.key, action, call.status, outcome is SubmitOutcome.SUBMITTED)
+        return _submission_report(call, action, await self.submit(call))
 
     # ------------------------------------------------------------------ running
 
@@ -387,8 +431,7 @@ class Executor:
             log.warning("call %s: lease lost while running; result refused (fenced)", call.key)
             return HandleReport(call.key, "fenced", None)
         crash_point(CP_AFTER_RESULT_COMMIT)
-        outcome = await self.submit(done)
-        return HandleReport(call.key, action, done.status, outcome is SubmitOutcome.SUBMITTED)
+        return _submission_report(done, action, await self.submit(done))
 
     async def _run(
         self, tool: RegisteredTool | None, call: CallRecord, refused: ArgumentsRefused | None = None
@@ -684,6 +727,17 @@ def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor =
         return failed(key, OUTPUT_FAILED_MESSAGE, FailureStage.OUTPUT, detail=detail)
     # The (redacted) traceback stays in the audit trail only.
     return failed(key, FAILED_MESSAGE, FailureStage.EXECUTION, detail=detail)
+
+
+def submission_backoff(call: CallRecord) -> float:
+    """When to send a stored result again after a failed try: sooner than the next periodic
+    reconcile, later with each try the call has had."""
+    return min(SUBMIT_RETRY_FIRST * 2.0 ** min(call.submission_count, 16), SUBMIT_RETRY_MAX)
+
+
+def _submission_report(call: CallRecord, action: str, outcome: SubmitOutcome) -> HandleReport:
+    retry_in = submission_backoff(call) if outcome is SubmitOutcome.FAILED else None
+    return HandleReport(call.key, action, call.status, outcome is SubmitOutcome.SUBMITTED, retry_in)
 
 
 def _action_fields(action: Any) -> tuple[str, str, str, Any]:

@@ -29,7 +29,13 @@ from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import SessionGoneError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.logs import log_fields
-from toolledger.runtime.executor import Executor, HandleReport, SubmitOutcome
+from toolledger.runtime.executor import (
+    LEASE_WAKE_MARGIN,
+    Executor,
+    HandleReport,
+    SubmitOutcome,
+    submission_backoff,
+)
 from toolledger.runtime.failures import log_failure
 from toolledger.store.sessions import SessionStore
 
@@ -51,6 +57,13 @@ class SessionReconciliation:
     """Why the session is no longer watched (failed or deleted), if it was stopped."""
     known: dict[CallKey, CallRecord] = field(default_factory=dict)
     """The session's open calls as the ledger held them before the session was read."""
+    retry_in: float | None = None
+    """Seconds after which the session should be reconciled again: the soonest known end of
+    a wait among its calls (another worker's lease, a deadline, a submission backoff)."""
+
+    def retry_after(self, seconds: float | None) -> None:
+        if seconds is not None and (self.retry_in is None or seconds < self.retry_in):
+            self.retry_in = seconds
 
 
 @dataclass
@@ -166,7 +179,7 @@ class Reconciler:
         result.actions["raced"] += len(consumed) - len(confirmed)
         for call in unsettled:
             if call.status is not CallStatus.SUBMITTED:
-                result.actions[await self._settle_unlisted(call)] += 1
+                result.actions[await self._settle_unlisted(call, result)] += 1
         for counted in ("confirmed", "raced"):
             if not result.actions[counted]:
                 del result.actions[counted]
@@ -211,8 +224,10 @@ class Reconciler:
         )
         for report in reports:
             result.actions[report.action if report is not None else "shutting_down"] += 1
+            if report is not None:
+                result.retry_after(report.retry_in)
 
-    async def _settle_unlisted(self, call: CallRecord) -> str:
+    async def _settle_unlisted(self, call: CallRecord, result: SessionReconciliation) -> str:
         """An open call the session no longer lists."""
         store = self.executor.store
         if call.status is CallStatus.SUBMITTED:
@@ -223,8 +238,13 @@ class Reconciler:
                 # Accepted though not listed: the earlier submission had landed.
                 await store.mark_confirmed(call.key)
                 return "resubmitted"
+            if outcome is SubmitOutcome.FAILED:
+                result.retry_after(submission_backoff(call))
             return "abandoned" if outcome is SubmitOutcome.ABANDONED else "submit_failed"
-        if call.status is CallStatus.RUNNING and not await store.expire_leases(call.key):
+        if call.status is CallStatus.RUNNING and not await self.executor.take_over(call):
+            # Nobody awaits it, but it is open until its run ends or its lease runs out.
+            wait = await store.lease_remaining(call.key)
+            result.retry_after(None if wait is None else wait + LEASE_WAKE_MARGIN)
             return "running_elsewhere"
         abandoned = await store.abandon(call.key, "no longer awaited by the session")
         return "abandoned" if abandoned is not None else "raced"

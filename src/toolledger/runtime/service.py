@@ -21,7 +21,6 @@ import random
 import resource
 import socket
 import time
-import uuid
 from collections import OrderedDict
 from contextlib import suppress
 from dataclasses import dataclass
@@ -33,11 +32,11 @@ from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.ledger import ToolLedger
 from toolledger.logs import log_fields
 from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.executor import HandleReport
 from toolledger.runtime.failures import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
-from toolledger.store.exclusive import SQLiteServiceLock
 from toolledger.store.sessions import SessionStore
 
 log = logging.getLogger("toolledger.service")
@@ -70,11 +69,13 @@ class Service:
     ) -> None:
         self.settings = settings or Settings()
         self.ledger = ToolLedger(registry, self.settings, gateway=gateway, auto_migrate=auto_migrate)
-        # Unique per process even when replicas share a configured worker id: session leases
-        # are owned by processes.
-        self.replica_id = f"{self.ledger.worker_id}/{uuid.uuid4().hex[:8]}"
-        self._lock = SQLiteServiceLock(self.settings.database_url)
+        # Session and call leases name the same process instance (store.liveness).
+        self.replica_id = self.ledger.instance_id
+        self._lock = self.ledger.serve_lock
         self._leases: dict[str, int] = {}
+        self._wakes: dict[str, asyncio.TimerHandle] = {}
+        self._gone: set[str] = set()
+        """Replicas found gone and taken over (an instance id is never reused)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
@@ -95,13 +96,17 @@ class Service:
             self._lock.acquire()
         try:
             await self.ledger.start()
+            # Before this replica registers or claims anything: held for its whole life, so
+            # that others can tell when it is gone (store.liveness).
+            await self.ledger.liveness.hold()
         except BaseException:
+            await self.ledger.close()
             self._lock.release()
             raise
         _allow_many_connections()
         executor = self.ledger.executor
         self._sessions = SessionStore(self.ledger.engine)
-        self._runner = CallRunner(executor, self.settings.max_concurrent_calls)
+        self._runner = CallRunner(executor, self.settings.max_concurrent_calls, on_report=self._note_report)
         self._reconciler = Reconciler(
             executor,
             self.ledger.gateway,
@@ -114,6 +119,7 @@ class Service:
         recovered = await self._sessions.watch_new(await self._sessions.with_open_calls())
         if recovered:
             log.info("recovery: %d session(s) with open calls are watched again", recovered)
+        await self._take_over_gone()
         await self._balance()
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="session leases"),
@@ -150,10 +156,22 @@ class Service:
             if self._sessions is not None:
                 try:
                     await self._sessions.release(self.replica_id)
-                    await self._sessions.remove_replica(self.replica_id)
+                    if cut_off:
+                        # Kept, not deleted: the calls cut off still name this replica, and
+                        # with its lock given back below they are taken over without waiting.
+                        await self._sessions.retire_replicas([self.replica_id])
+                    else:
+                        await self._sessions.remove_replica(self.replica_id)
                 except Exception:
                     log_failure(log, "shutdown: could not release session leases; they expire on their own")
         finally:
+            for handle in self._wakes.values():
+                handle.cancel()
+            self._wakes.clear()
+            try:
+                await self.ledger.liveness.release()
+            except Exception:
+                log_failure(log, "shutdown: could not release the liveness lock; it goes with the process")
             await self.ledger.close()
             self._lock.release()
             self._stopped.set()
@@ -218,6 +236,10 @@ class Service:
             woken = self._wake_leases.is_set()
             self._wake_leases.clear()
             try:
+                await self.ledger.liveness.ensure_held()
+                # A replica that died leaves its sessions and calls under live leases: taken
+                # now, not when those run out.
+                woken = await self._take_over_gone() or woken
                 # A cheap look for sessions nobody follows (just watched, or left by a dead
                 # replica) between renewals, so new sessions are picked up within a second.
                 due = time.monotonic() - self._last_renewal >= renew_every
@@ -256,7 +278,30 @@ class Service:
                     self._follow(session_id), name=f"follow {session_id}"
                 )
 
+    async def _take_over_gone(self) -> bool:
+        """Retire the replicas provably gone (store.liveness): free their session leases and
+        make their running calls ``unknown``, to be settled by effect class. True if any."""
+        candidates = await self.sessions.replica_ids() - self._gone - {self.replica_id}
+        gone = await self.ledger.liveness.gone(candidates)
+        if not gone:
+            return False
+        self._gone |= gone
+        freed = await self.sessions.retire_replicas(gone)
+        taken = await self.ledger.store.expire_leases(gone_owners=gone)
+        log.warning(
+            "replica(s) %s gone (liveness lock free): took over %d session lease(s) and %d running call(s)",
+            ", ".join(sorted(gone)),
+            freed,
+            len(taken),
+        )
+        for session_id in {call.key.session_id for call in taken} & set(self._followers):
+            self._request_reconcile(session_id)
+        return True
+
     async def _drop(self, session_id: str) -> None:
+        wake = self._wakes.pop(session_id, None)
+        if wake is not None:
+            wake.cancel()
         self._leases.pop(session_id, None)
         follower = self._followers.pop(session_id, None)
         reconciling = self._reconciling.pop(session_id, None)
@@ -334,11 +379,37 @@ class Service:
         result = await self.reconciler.reconcile_session(session_id)
         if result.actions:
             with log_fields(session_id=session_id):
-                log.info("session %s reconciled: %s", session_id, dict(result.actions))
+                waiting = "" if result.retry_in is None else f"; looking again in {result.retry_in:.1f}s"
+                log.info("session %s reconciled: %s%s", session_id, dict(result.actions), waiting)
         if result.stopped is not None:
             await self._drop(session_id)
             return None
+        if result.retry_in is not None:
+            self._wake_later(session_id, result.retry_in)
         return result
+
+    def _note_report(self, report: HandleReport) -> None:
+        if report.retry_in is not None:
+            self._wake_later(report.key.session_id, report.retry_in)
+
+    def _wake_later(self, session_id: str, seconds: float) -> None:
+        """Reconcile the session once a wait with a known end is over (a lease of another
+        worker, an ``unknown_deadline``, a submission backoff), not at the next interval."""
+        if self._stopping or session_id not in self._followers:
+            return
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(seconds, 0.0)
+        earlier = self._wakes.get(session_id)
+        if earlier is not None:
+            if earlier.when() <= when:
+                return
+            earlier.cancel()
+        self._wakes[session_id] = loop.call_at(when, self._woken, session_id)
+
+    def _woken(self, session_id: str) -> None:
+        self._wakes.pop(session_id, None)
+        if not self._stopping and session_id in self._followers:
+            self._request_reconcile(session_id)
 
     def _request_reconcile(self, session_id: str) -> None:
         """Reconcile in the background, at most one pass per session at a time."""

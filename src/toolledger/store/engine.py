@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
-from sqlalchemy import DateTime, event, exc
+from sqlalchemy import DateTime, Float, event, exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
@@ -195,3 +195,20 @@ def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
 def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
     return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', '+' || ({seconds}) || ' seconds')"
+
+class seconds_until(expression.FunctionElement[float]):
+    """Seconds from the database's clock until a timestamp column (negative once past)."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(seconds_until, "postgresql")
+def _pg_seconds_until(element: seconds_until, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"extract(epoch from ({compiler.process(element.clauses, **kw)}) - clock_timestamp())"
+
+
+@compiles(seconds_until, "sqlite")
+def _sqlite_seconds_until(element: seconds_until, compiler: SQLCompiler, **kw: Any) -> str:
+    moment = compiler.process(element.clauses, **kw)
+    return f"(julianday({moment}) - julianday('now')) * 86400.0"

@@ -53,6 +53,11 @@ class SQLiteServiceLock:
         handle.flush()
         self._file = handle
 
+    @property
+    def held(self) -> bool:
+        """This process holds the lock: no other `serve` runs on this file."""
+        return self._file is not None
+
     def release(self) -> None:
         if self._file is not None:
             fcntl.flock(self._file, fcntl.LOCK_UN)

@@ -13,13 +13,28 @@ transaction of separate statements.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from functools import partial
 from typing import Any
 
-from sqlalchemy import CTE, Float, Row, Select, String, and_, bindparam, func, literal, null, select, tuple_
+from sqlalchemy import (
+    CTE,
+    Float,
+    Row,
+    Select,
+    String,
+    and_,
+    bindparam,
+    case,
+    func,
+    literal,
+    null,
+    or_,
+    select,
+    tuple_,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
@@ -30,7 +45,13 @@ from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.results import Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError, TransitionError
-from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
+from toolledger.store.engine import (
+    seconds_until,
+    uninterrupted_on_sqlite,
+    utc_after,
+    utc_now,
+    write_transaction,
+)
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -125,9 +146,20 @@ def _record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
 class LedgerStore:
     """The only writer of ``tool_calls`` and ``tool_call_events``."""
 
-    def __init__(self, engine: AsyncEngine, *, actor: str, redactor: Redactor = DEFAULT_REDACTOR) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        actor: str,
+        owner: str | None = None,
+        redactor: Redactor = DEFAULT_REDACTOR,
+    ) -> None:
+        """``actor``: who this process is in the audit trail (the worker id). ``owner``: the
+        process instance its leases name (``lease_owner``), unique per process so that a
+        replica known to be gone can have its leases taken over (``store.liveness``)."""
         self.engine = engine
         self.actor = actor
+        self.owner = owner or actor
         self.redactor = redactor
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self._one_statement = engine.dialect.name == "postgresql"
@@ -167,6 +199,7 @@ class LedgerStore:
             "p_effect_class": effect_class.value,
             "p_idempotency_key": key.idempotency_key,
             "p_lease_seconds": float(lease_seconds),
+            "p_owner": self.owner,
         }
         if self._one_statement:
             statement = self._statement(("record",), self._build_record)
@@ -229,11 +262,11 @@ class LedgerStore:
             values={
                 "lease_token": tool_calls.c.lease_token + 1,
                 "attempt_count": tool_calls.c.attempt_count + 1,
-                "lease_owner": bindparam("e_actor"),
+                "lease_owner": bindparam("p_owner"),
                 "lease_expires_at": utc_after(bindparam("p_lease_seconds", type_=Float)),
                 "started_at": utc_now(),
             },
-            params={"p_lease_seconds": float(lease_seconds)},
+            params={"p_lease_seconds": float(lease_seconds), "p_owner": self.owner},
         )
 
     async def heartbeat(self, key: CallKey, token: int, lease_seconds: float) -> bool:
@@ -313,23 +346,37 @@ class LedgerStore:
             values={"lease_expires_at": None},
         )
 
-    async def expire_leases(self, key: CallKey | None = None) -> list[CallRecord]:
-        """Running calls whose lease ran out without a result become ``unknown`` (one, or all)."""
-        statement = tool_calls.update().where(
-            tool_calls.c.status == CallStatus.RUNNING.value, tool_calls.c.lease_expires_at < utc_now()
-        )
+    async def expire_leases(
+        self, key: CallKey | None = None, *, gone_owners: Collection[str] = ()
+    ) -> list[CallRecord]:
+        """Running calls whose lease ran out without a result become ``unknown`` (one, or all);
+        so do those whose owner is provably gone (``store.liveness``), without waiting for
+        their leases to run out. Either way the same transition: the owner's token is dead."""
+        ran_out = tool_calls.c.lease_expires_at < utc_now()
+        gone = sorted(set(gone_owners) - {self.owner})
+        lapsed = or_(ran_out, tool_calls.c.lease_owner.in_(gone)) if gone else ran_out
+        statement = tool_calls.update().where(tool_calls.c.status == CallStatus.RUNNING.value, lapsed)
         if key is not None:
             statement = statement.where(_where_key(key))
         async with write_transaction(self.engine) as conn:
             rows = (
                 await conn.execute(
-                    statement.values(status=CallStatus.UNKNOWN.value, updated_at=utc_now()).returning(
-                        tool_calls
-                    )
+                    statement.values(
+                        status=CallStatus.UNKNOWN.value,
+                        # When the run's lease ended: an unknown call's deadline counts from here.
+                        lease_expires_at=case((ran_out, tool_calls.c.lease_expires_at), else_=utc_now()),
+                        updated_at=utc_now(),
+                    ).returning(tool_calls)
                 )
             ).all()
             expired = [_record(row) for row in rows]
             for call in expired:
+                reason = (
+                    f"lease owner {call.lease_owner} is gone (its liveness lock is free): "
+                    "taken over before its lease ran out"
+                    if call.lease_owner in gone
+                    else f"lease of {call.lease_owner} expired without a result"
+                )
                 await self._event(
                     conn,
                     call.key,
@@ -337,9 +384,24 @@ class LedgerStore:
                     CallStatus.RUNNING,
                     CallStatus.UNKNOWN,
                     call.lease_token,
-                    f"lease of {call.lease_owner} expired without a result",
+                    reason,
                 )
             return expired
+
+    async def lease_remaining(self, key: CallKey) -> float | None:
+        """Seconds until a running call's lease runs out, on the database's clock (the clock
+        leases are measured on); None when the call is not running under a lease."""
+        async with self.engine.connect() as conn:
+            remaining = (
+                await conn.execute(
+                    select(seconds_until(tool_calls.c.lease_expires_at)).where(
+                        _where_key(key),
+                        tool_calls.c.status == CallStatus.RUNNING.value,
+                        tool_calls.c.lease_expires_at.is_not(None),
+                    )
+                )
+            ).scalar()
+        return None if remaining is None else max(float(remaining), 0.0)
 
     async def mark_submitted(self, key: CallKey, *, reason: str = "result accepted") -> CallRecord | None:
         """The Agents API accepted the stored result (commit point 3)."""
@@ -474,6 +536,16 @@ class LedgerStore:
         if call is None or call.status is not CallStatus.RUNNING or call.lease_token != token:
             return None
         return call
+
+    async def running_owners(self) -> set[str]:
+        """Who holds the leases of running calls."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(tool_calls.c.lease_owner)
+                .where(tool_calls.c.status == CallStatus.RUNNING.value, tool_calls.c.lease_owner.is_not(None))
+                .distinct()
+            )
+            return {owner for owner in rows.scalars() if owner is not None}
 
     async def get(self, key: CallKey) -> CallRecord | None:
         async with self.engine.connect() as conn:
@@ -677,7 +749,7 @@ class LedgerStore:
                 effect_class=bindparam("p_effect_class"),
                 idempotency_key=bindparam("p_idempotency_key"),
                 attempt_count=1,
-                lease_owner=bindparam("e_actor"),
+                lease_owner=bindparam("p_owner"),
                 lease_token=1,
                 lease_expires_at=utc_after(bindparam("p_lease_seconds", type_=Float)),
                 created_at=utc_now(),

@@ -10,7 +10,7 @@ the others take its sessions over. On PostgreSQL the candidates are picked with
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
@@ -192,6 +192,31 @@ class SessionStore:
     async def remove_replica(self, replica_id: str) -> None:
         async with write_transaction(self.engine) as conn:
             await conn.execute(replicas.delete().where(replicas.c.replica_id == replica_id))
+
+    async def retire_replicas(self, replica_ids: Collection[str]) -> int:
+        """Replicas known to be gone: no longer counted live, their session leases freed at
+        once. Their rows stay (until the hourly clean-up) so that leases still naming them
+        can be proven gone too. Returns how many session leases were freed."""
+        if not replica_ids:
+            return 0
+        ids = sorted(replica_ids)
+        async with write_transaction(self.engine) as conn:
+            await conn.execute(
+                replicas.update()
+                .where(replicas.c.replica_id.in_(ids), replicas.c.expires_at > utc_now())
+                .values(expires_at=utc_now())
+            )
+            freed = await conn.execute(
+                sessions.update()
+                .where(sessions.c.owner.in_(ids))
+                .values(owner=None, lease_expires_at=None, updated_at=utc_now())
+            )
+            return freed.rowcount
+
+    async def replica_ids(self) -> set[str]:
+        """Every registered replica, live or not yet cleaned up (an hour after it stopped)."""
+        async with self.engine.connect() as conn:
+            return set((await conn.execute(select(replicas.c.replica_id))).scalars())
 
     async def fair_share(self) -> int:
         """How many watched sessions each live replica should own."""
