@@ -52,7 +52,7 @@ from toolledger.store.engine import (
     utc_now,
     write_transaction,
 )
-from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
+from toolledger.store.schema import StorableText, open_call_clause, tool_call_events, tool_calls
 
 _KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
 _EVENT_COLUMNS = (
@@ -192,9 +192,7 @@ class LedgerStore:
             **_key_params(key),
             **self._event_params("recorded and claimed", _claim_detail(claim_id)),
             "p_tool_name": tool_name,
-            "p_arguments": _storable(
-                stored_arguments if stored_arguments is not None else arguments_text(arguments)
-            ),
+            "p_arguments": stored_arguments if stored_arguments is not None else arguments_text(arguments),
             "p_sha256": fingerprint,
             "p_effect_class": effect_class.value,
             "p_idempotency_key": key.idempotency_key,
@@ -449,7 +447,7 @@ class LedgerStore:
                 .returning(*_KEY_COLUMNS)
             )
 
-        params = {"p_error": _storable(self.redactor.text(error))}
+        params = {"p_error": self.redactor.text(error)}
         await self._change_noted(
             key, "record_submission_failure", counted, params, "submission_failed", None, None, error
         )
@@ -506,7 +504,7 @@ class LedgerStore:
             reason,
             shape="abandon",
             values={"abandoned_reason": bindparam("p_abandoned_reason"), "lease_expires_at": None},
-            params={"p_abandoned_reason": _storable(self.redactor.text(reason))},
+            params={"p_abandoned_reason": self.redactor.text(reason)},
         )
 
     async def flag(self, key: CallKey, kind: str, reason: str, detail: str | None = None) -> None:
@@ -777,7 +775,7 @@ class LedgerStore:
         return {
             "p_result": outcome.payload_json(),
             "p_error_stage": outcome.stage.value if outcome.stage else None,
-            "p_error_detail": _storable(self.redactor.text(outcome.detail)) if outcome.detail else None,
+            "p_error_detail": self.redactor.text(outcome.detail) if outcome.detail else None,
         }
 
     def _with_event(
@@ -801,8 +799,8 @@ class LedgerStore:
             _status_sql(from_status),
             _status_sql(to_status),
             changed.c.lease_token if with_token else null(),
-            bindparam("e_reason", type_=String),
-            bindparam("e_detail", type_=String),
+            bindparam("e_reason", type_=StorableText),
+            bindparam("e_detail", type_=StorableText),
         )
         logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, rows).cte("logged")
         return select(changed).add_cte(logged)
@@ -839,7 +837,7 @@ class LedgerStore:
 
     def _audit_text(self, text: str) -> str:
         # Every audit line is redacted: reasons quote the API and hooks quote tracebacks.
-        return _storable(self.redactor.text(text))
+        return self.redactor.text(text)
 
     async def _event(
         self,
@@ -865,8 +863,8 @@ class LedgerStore:
                 to_status=to_status.value if to_status else None,
                 lease_token=lease_token,
                 # Every audit line is redacted: reasons quote the API and hooks quote tracebacks.
-                reason=_storable(self.redactor.text(reason)) if reason is not None else None,
-                detail=_storable(self.redactor.text(detail)) if detail is not None else None,
+                reason=self.redactor.text(reason) if reason is not None else None,
+                detail=self.redactor.text(detail) if detail is not None else None,
             )
         )
 
@@ -915,11 +913,6 @@ def _status_sql(status: ColumnElement[Any] | CallStatus | None) -> ColumnElement
     if isinstance(status, CallStatus):
         return literal(status.value, String)
     return status
-
-
-def _storable(text: str) -> str:
-    """PostgreSQL text holds neither NUL nor lone surrogates: spell those as escapes."""
-    return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 __all__ = ["LedgerStore", "call_events", "require"]

@@ -17,12 +17,14 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    TypeDecorator,
     and_,
     event,
     func,
     or_,
     text,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.states import CallStatus, EffectClass
@@ -36,6 +38,26 @@ NAMING_CONVENTION = {
 }
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def storable_text(text: str) -> str:
+    """Text as both databases hold it: PostgreSQL's text takes neither NUL nor lone
+    surrogates (SQLite takes both), so those are spelled as escapes on both."""
+    if text.isascii() and "\x00" not in text:
+        return text
+    return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class StorableText(TypeDecorator[str]):
+    """A free-text column: whatever writes it (a transition, an operator's reason, the API's
+    words about a session), the same ``storable_text`` rule applies."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else storable_text(value)
+
 
 ID = String(255)
 Timestamp = DateTime(timezone=True)
@@ -71,7 +93,7 @@ tool_calls = Table(
     Column("turn_id", ID, nullable=False),
     Column("call_id", ID, nullable=False),
     Column("tool_name", String(255), nullable=False),
-    Column("arguments", Text, nullable=False),
+    Column("arguments", StorableText, nullable=False),
     Column("arguments_sha256", String(64), nullable=False),
     Column("status", String(16), nullable=False),
     Column("effect_class", String(16), nullable=False),
@@ -80,9 +102,9 @@ tool_calls = Table(
     Column("lease_owner", String(255)),
     Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
     Column("lease_expires_at", Timestamp),
-    Column("result", Text),
+    Column("result", StorableText),
     Column("error_stage", String(16)),
-    Column("error_detail", Text),
+    Column("error_detail", StorableText),
     Column("created_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
@@ -90,8 +112,8 @@ tool_calls = Table(
     Column("confirmed_at", Timestamp),
     Column("updated_at", Timestamp, nullable=False),
     Column("submission_count", Integer, nullable=False, server_default=text("0")),
-    Column("last_submission_error", Text),
-    Column("abandoned_reason", Text),
+    Column("last_submission_error", StorableText),
+    Column("abandoned_reason", StorableText),
     PrimaryKeyConstraint("session_id", "turn_id", "call_id"),
     CheckConstraint(f"status IN ({_STATUSES})", name="status"),
     CheckConstraint(f"effect_class IN ({_EFFECTS})", name="effect_class"),
@@ -165,8 +187,8 @@ tool_call_events = Table(
     Column("from_status", String(16)),
     Column("to_status", String(16)),
     Column("lease_token", BigInteger),
-    Column("reason", Text),
-    Column("detail", Text),
+    Column("reason", StorableText),
+    Column("detail", StorableText),
     ForeignKeyConstraint(
         ["session_id", "turn_id", "call_id"],
         ["tool_calls.session_id", "tool_calls.turn_id", "tool_calls.call_id"],
@@ -189,7 +211,7 @@ sessions = Table(
     Column("status", String(32)),
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),
-    Column("reason", Text),
+    Column("reason", StorableText),
     Index("ix_sessions_owner", "owner"),
 )
 
