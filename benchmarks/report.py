@@ -28,6 +28,8 @@ class Figure:
     target: str
     met: bool | None
     note: str = ""
+    lower_bound: bool = False
+    """The measurement ran out of time: the true figure is larger (printed as ">N")."""
 
     @property
     def ratio(self) -> float | None:
@@ -88,7 +90,7 @@ def print_table(console: Console, figures: list[Figure], title: str) -> None:
         table.add_row(
             figure.part,
             f"{figure.name} ({figure.unit})",
-            _number(figure.toolledger),
+            (">" if figure.lower_bound else "") + _number(figure.toolledger),
             f"{_number(figure.baseline)} {figure.baseline_name}".strip(),
             "-" if ratio is None else f"{ratio:.2f}x",
             figure.target,

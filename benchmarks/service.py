@@ -62,15 +62,31 @@ async def emulator_process() -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def serve_process(
-    database_url: str, base_url: str, log: Path, **environment: str
+    database_url: str,
+    base_url: str,
+    log: Path,
+    *,
+    tools: str = TOOLS,
+    log_level: str = SERVE_LOG_LEVEL,
+    defaults_only: bool = False,
+    **environment: str,
 ) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """``defaults_only``: every setting not given here at its default, whatever the caller's
+    environment or a ``.env`` file in its directory says (serve then runs in the log's)."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if not (defaults_only and name.startswith("TOOLLEDGER_"))
+    }
     env = {
-        **os.environ,
+        **inherited,
         "TOOLLEDGER_DATABASE_URL": database_url,
         "TOOLLEDGER_OPENAI_BASE_URL": base_url,
         "TOOLLEDGER_OPENAI_API_KEY": API_KEY,
         "TOOLLEDGER_LOG_FORMAT": "text",
-        "PYTHONPATH": str(ROOT),
+        # The caller's path after ours: a checkout measured from elsewhere (PYTHONPATH=its src)
+        # must run its own toolledger, not the one installed in the virtual environment.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         **environment,
     }
     env.pop("TOOLLEDGER_CRASH_AT", None)
@@ -81,13 +97,14 @@ async def serve_process(
         "toolledger.cli",
         "serve",
         "--tools",
-        TOOLS,
+        tools,
         "--log-level",
-        SERVE_LOG_LEVEL,
+        log_level,
     ]
     process = subprocess.Popen(
         command,
         env=env,
+        cwd=log.parent if defaults_only else None,
         stdout=sink,
         stderr=subprocess.STDOUT,
     )
