@@ -5,8 +5,11 @@
 Parts: ``ceiling`` (the ledger path vs pgbench doing the same commits), ``latency`` (added per
 call), ``peer`` (DBOS Transact, if installed), ``growth`` (costs at 10k..1M calls), ``e2e``
 (toolledger serve vs the SDK's own tool runner, on the emulator), ``recovery`` (resubmitting
-stored results after a crash), ``memory`` (serve watching many sessions). ``--quick`` runs
-every part at toy sizes in well under a minute, for CI: it fails on errors, never on timings.
+stored results after a crash), ``memory`` (serve watching many sessions), ``crash`` (crash
+to answer: serve SIGKILLed holding calls mid-handler and stored results, restarted at once
+with default settings; how long until the model has every answer). ``--quick`` runs every
+part at toy sizes, for CI (a few minutes, most of it the crash part waiting out today's
+leases): it fails on errors, never on timings.
 
 The PostgreSQL database named by ``--database-url`` (its name must contain "bench") is
 dropped and created again, more than once.
@@ -21,12 +24,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks import ledger_path, service
+from benchmarks import crash, ledger_path, service
 from benchmarks.report import Figure, print_table, write_json
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/toolledger_bench_suite"
 LEDGER_PARTS = {"ceiling", "latency", "peer", "growth"}
 SERVICE_PARTS = {"e2e", "recovery", "memory"}
+CRASH_PARTS = {"crash"}
+ALL_PARTS = LEDGER_PARTS | SERVICE_PARTS | CRASH_PARTS
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -37,11 +42,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         default=None,
-        help=f"Comma-separated parts: {', '.join(sorted(LEDGER_PARTS | SERVICE_PARTS))}.",
+        help=f"Comma-separated parts: {', '.join(sorted(ALL_PARTS))}.",
     )
     arguments = parser.parse_args(argv)
-    wanted = set(arguments.only.split(",")) if arguments.only else LEDGER_PARTS | SERVICE_PARTS
-    unknown = wanted - LEDGER_PARTS - SERVICE_PARTS
+    wanted = set(arguments.only.split(",")) if arguments.only else ALL_PARTS
+    unknown = wanted - ALL_PARTS
     if unknown:
         parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
     arguments.parts = wanted
@@ -67,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
             service.run(arguments.database_url, arguments.quick, progress, skipped, arguments.parts)
         )
         figures += measured
+    if arguments.parts & CRASH_PARTS:
+        figures += asyncio.run(
+            crash.run(arguments.database_url, arguments.quick, progress, skipped, arguments.parts)
+        )
     mode = "quick" if arguments.quick else "full"
     print_table(Console(), figures, f"toolledger benchmarks ({mode})")
     for part, reason in skipped.items():
