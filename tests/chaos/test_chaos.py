@@ -7,6 +7,10 @@ every call answered exactly once with one unchanging payload, or `unknown` (at_m
 only, never answered); no at_most_once or verified handler ran twice; transactional rows
 exactly once; audit trails complete and ordered.
 
+It also reports, per trial, the longest wait from the restart after the kill until the calls
+open at the kill were answered, and the max, p50 and p99 of those over the trials (a figure,
+not asserted; see tests/chaos/waits.py for what is counted).
+
 CI runs a few trials; the long run is by hand:
 
     .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json --timeout 0 -s
@@ -28,6 +32,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
+from tests.chaos.waits import KillWaits
 from tests.service.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
 from tests.service.serve_process import ServeProcess
 from tests.service.workload import EVERY_CLASS_CALLS, every_class_script, start_sessions
@@ -49,6 +54,7 @@ async def run_trials(
     started = time.monotonic()
     session_ids: list[str] = []
     kills = crash_points = 0
+    waits = KillWaits()
     engine = create_engine(database_url)
     try:
         sessions = SessionStore(engine)
@@ -58,12 +64,15 @@ async def run_trials(
             for session_id in fresh:
                 await sessions.watch(session_id)
             session_ids += fresh
+            waits.add_sessions(fresh)
             if trial % 25 == 24:
                 # As an application would: stop watching sessions whose work is done, so the
                 # service follows what is live, not the whole history.
                 await unwatch_finished(emulator, database_url, sessions, session_ids)
             inside = chance.random() < 0.5
             crash_at = f"{chance.choice(INSIDE_POINTS)}@{chance.randint(1, 4)}" if inside else None
+            killed = False
+            waits.restarting()
             with ServeProcess(
                 database_url, emulator.base_url, logs / f"trial-{trial}.log", crash_at=crash_at
             ) as serve:
@@ -73,9 +82,14 @@ async def run_trials(
                 if serve.process.poll() is None:
                     serve.kill()
                     kills += 1
+                    killed = True
                 elif serve.process.returncode == -signal.SIGKILL:
                     crash_points += 1
                     kills += 1
+                    killed = True
+            if killed:
+                await waits.killed(trial, emulator, database_url)
+        waits.restarting()
         with ServeProcess(database_url, emulator.base_url, logs / "final.log") as final:
             await asyncio.to_thread(final.wait_serving)
             states = await wait_quiescent(emulator, database_url, session_ids, within=120.0 + trials)
@@ -90,6 +104,7 @@ async def run_trials(
         "sessions": len(session_ids),
         **figures,
         "seconds": round(time.monotonic() - started, 1),
+        **waits.figures(emulator),
     }
 
 
@@ -128,7 +143,10 @@ async def test_chaos__many_random_kills__history_holds(
     trials: int = pytestconfig.getoption("--trials")
     seed = random.SystemRandom().randint(0, 2**31)
     figures = await run_trials(trials, seed, postgres_url, emulator, effects_file, tmp_path)
-    print("chaos figures:", json.dumps(figures))
+    summary = {k: v for k, v in figures.items() if k != "longest_wait_per_trial"}
+    print("chaos figures:", json.dumps(summary))
+    longest = [t["longest_wait"] for t in figures["longest_wait_per_trial"]]
+    print("longest wait per trial (s, restart to the last answer of the calls open at the kill):", longest)
     report = pytestconfig.getoption("--chaos-report")
     if report:
         await asyncio.to_thread(Path(report).write_text, json.dumps(figures, indent=2) + "\n", "utf-8")
