@@ -75,6 +75,19 @@ class AgentsUnavailableError(ToolLedgerError):
     code = "agents_unavailable"
 
 
+class AgentsAuthError(ToolLedgerError):
+    """The Agents API refused toolledger's credentials (401 or 403): nothing it sends or
+    reads will work until they are fixed, so this is fatal, not a dropped stream to retry."""
+
+    code = "agents_auth"
+
+
+class ConfigurationError(ToolLedgerError):
+    """The settings cannot work as given; the message names the variable to set."""
+
+    code = "configuration"
+
+
 class SchemaNotCurrentError(ToolLedgerError):
     """The ledger database is not at the schema revision this release needs."""
 

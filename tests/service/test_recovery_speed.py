@@ -164,6 +164,8 @@ async def test_call_held_by_an_unregistered_process__taken_when_its_lease_runs_o
     assert answered_at - expiry < 3.0, f"answered {answered_at - expiry:.1f}s after the lease ran out"
     assert "running_elsewhere" in log, log
     assert "looking again in" in log, log
+    # Said at start-up: what it waits for, and until when.
+    assert "recovery: 1 call(s) run under live leases of other processes" in log, log
     assert call.attempt_count == 2, call
 
 
@@ -236,6 +238,8 @@ async def test_paused_replica__not_taken_over_before_its_leases_run_out__fenced_
                     await asyncio.sleep(0.1)
                 assert now_notify.lease_token == tokens[notify.key] + 1
                 assert now_charge.lease_token == tokens[charge.key], "at_most_once: never claimed again"
+                # The operator is told, with the command that settles it.
+                assert f"toolledger calls resolve {charge.key}" in other.log(), other.log()
 
                 # The paused replica wakes: its idempotent result is refused by its token; its
                 # at_most_once result is the one true outcome of the only run.
@@ -334,9 +338,14 @@ async def test_unknown_call_with_a_deadline__given_up_when_it_passes__not_at_the
         settings=DEFAULT_TIMERS,
     ) as crashing:
         assert await asyncio.to_thread(crashing.wait_exit, 60.0) == -signal.SIGKILL
-    with ServeProcess(database_url, emulator.base_url, tmp_path / "serve-2.log", settings=DEFAULT_TIMERS):
+    with ServeProcess(
+        database_url, emulator.base_url, tmp_path / "serve-2.log", settings=DEFAULT_TIMERS
+    ) as restarted:
         await _answered_at(emulator, session_id, PATIENCE)
         call = await _wait_for(database_url, session_id, _submitted)
+        log = restarted.log()
+    assert f"toolledger calls resolve {call.key}" in log, log
+    assert "unknown_deadline" in log
     (result,) = [r for r in emulator.control.tool_results(session_id) if r.outcome == "accepted"]
     assert result.payload["success"] is False, "a fixed failure, never a second run"
     assert call.attempt_count == 1

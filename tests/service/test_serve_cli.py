@@ -474,3 +474,33 @@ async def _audit_api_address(process: ServeProcess) -> str | None:
         if line.startswith("audit API: "):
             return line.removeprefix("audit API: ").strip()
     return None
+
+
+def test_serve__no_agents_api_configured__exits_1_naming_the_variables(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("TOOLLEDGER_OPENAI_API_KEY", "TOOLLEDGER_OPENAI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    done = run_cli("serve", "--tools", TOOLS, database_url=sqlite_url, timeout=30)
+    assert done.returncode == 1
+    assert "no Agents API configured" in done.stderr
+    assert "TOOLLEDGER_OPENAI_API_KEY" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+async def test_serve__credentials_refused__exits_1_at_start_with_the_reason_not_retrying(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    with EmulatorServer(api_key="the-right-key") as keyed:
+        started = time.monotonic()
+        with ServeProcess(
+            sqlite_url, keyed.base_url, tmp_path / "serve.log", TOOLLEDGER_OPENAI_API_KEY="sk-wrong"
+        ) as refused:
+            code = await asyncio.to_thread(refused.wait_exit, 30.0)
+        took = time.monotonic() - started
+    log = refused.log()
+    assert code == 1, log
+    assert "refused the credentials (HTTP 401" in log, log
+    assert "sk-wrong" not in log, "the key is never echoed"
+    assert "Traceback" not in log
+    assert took < 15.0, f"took {took:.1f}s to give up"

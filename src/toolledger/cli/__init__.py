@@ -201,12 +201,18 @@ async def _serve(
     try:
         for session_id in watch_ids:
             await service.watch(session_id)
-        await stop.wait()
-        logging.getLogger("toolledger.service").info("shutting down (signal received)")
+        signalled, failed = asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())
+        await asyncio.wait([signalled, failed], return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        failed.cancel()
+        if service.failure is None:
+            logging.getLogger("toolledger.service").info("shutting down (signal received)")
     finally:
         cut_off = await service.stop()
         if api_task is not None:
             await _finish_api(api_task, settings)
+    if service.failure is not None:
+        raise service.failure
     return cut_off
 
 

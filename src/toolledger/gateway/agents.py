@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from toolledger import crashpoints, metrics
 from toolledger.errors import (
+    AgentsAuthError,
     AgentsUnavailableError,
     SessionGoneError,
     StreamInterruptedError,
@@ -114,6 +115,9 @@ class AgentsGateway:
                         events=[cast(SessionInputParamAgentSessionInputToolResult, payload)],
                         idempotency_key=idempotency_key,
                     )
+        except _REFUSED_CREDENTIALS as error:
+            # Not this result's fault: nothing is recorded against the call.
+            raise _auth_error(error) from error
         except openai.OpenAIError as error:
             kind = classify(error, payload.get("call_id"))
             if kind is Failure.SESSION_GONE:
@@ -127,11 +131,23 @@ class AgentsGateway:
             return min(hinted, MAX_RETRY_AFTER)
         return float(min(self._max_wait, self._initial_wait * 2 ** (state.attempt_number - 1)))
 
+    async def check(self) -> None:
+        """One cheap authenticated read: AgentsAuthError when the credentials are refused,
+        AgentsUnavailableError when the API cannot be reached."""
+        try:
+            await self.client.beta.agents.sessions.list(limit=1)
+        except _REFUSED_CREDENTIALS as error:
+            raise _auth_error(error) from error
+        except openai.OpenAIError as error:
+            raise AgentsUnavailableError(describe(error)) from error
+
     async def retrieve(self, session_id: str) -> AgentSession:
         try:
             return await self.client.beta.agents.sessions.retrieve(session_id)
         except openai.NotFoundError as error:
             raise SessionGoneError(f"session {session_id} not found") from error
+        except _REFUSED_CREDENTIALS as error:
+            raise _auth_error(error) from error
         except openai.OpenAIError as error:
             if classify(error) is Failure.RETRYABLE:
                 raise AgentsUnavailableError(describe(error)) from error
@@ -157,6 +173,8 @@ class AgentsGateway:
             )
         except openai.NotFoundError as error:
             raise SessionGoneError(f"session {session_id} not found") from error
+        except _REFUSED_CREDENTIALS as error:
+            raise _auth_error(error) from error
         except (openai.OpenAIError, httpx2.HTTPError) as error:
             raise StreamInterruptedError(describe(error)) from error
         async with stream:
@@ -165,9 +183,24 @@ class AgentsGateway:
     async def discover(self, metadata: dict[str, str]) -> list[AgentSession]:
         """Every session whose metadata matches (all pages)."""
         found: list[AgentSession] = []
-        async for session in self.client.beta.agents.sessions.list(metadata=metadata, limit=DISCOVERY_PAGE):
-            found.append(session)
+        try:
+            async for session in self.client.beta.agents.sessions.list(
+                metadata=metadata, limit=DISCOVERY_PAGE
+            ):
+                found.append(session)
+        except _REFUSED_CREDENTIALS as error:
+            raise _auth_error(error) from error
         return found
+
+
+_REFUSED_CREDENTIALS = (openai.AuthenticationError, openai.PermissionDeniedError)
+
+
+def _auth_error(error: openai.APIStatusError) -> AgentsAuthError:
+    return AgentsAuthError(
+        f"the Agents API refused the credentials ({describe(error)}): "
+        "check TOOLLEDGER_OPENAI_API_KEY and TOOLLEDGER_OPENAI_BASE_URL"
+    )
 
 
 class _KeepAliveTolerantDecoder(SSEDecoder):

@@ -19,6 +19,7 @@ from typing import Any
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.states import CallStatus
+from toolledger.errors import AgentsAuthError
 from toolledger.runtime.executor import Executor, HandleReport
 from toolledger.runtime.failures import log_failure, note_interruption
 
@@ -29,11 +30,18 @@ SUBMITTED_REMEMBERED = 100_000
 
 class CallRunner:
     def __init__(
-        self, executor: Executor, limit: int, *, on_report: Callable[[HandleReport], None] | None = None
+        self,
+        executor: Executor,
+        limit: int,
+        *,
+        on_report: Callable[[HandleReport], None] | None = None,
+        on_fatal: Callable[[AgentsAuthError], None] | None = None,
     ) -> None:
-        """``on_report`` hears of every call handled (the service schedules what waits)."""
+        """``on_report`` hears of every call handled (the service schedules what waits);
+        ``on_fatal`` of refused credentials, which no retry of a call will mend."""
         self.executor = executor
         self._on_report = on_report
+        self._on_fatal = on_fatal
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[CallKey, asyncio.Task[HandleReport]] = {}
         self._submitted: OrderedDict[CallKey, float] = OrderedDict()
@@ -106,6 +114,10 @@ class CallRunner:
                 if self._on_report is not None:
                     self._on_report(report)
                 return report
+            except AgentsAuthError as error:
+                if self._on_fatal is not None:
+                    self._on_fatal(error)
+                return HandleReport(key, "error", None)
             except Exception:
                 # Most likely the database or the API is away. The ledger holds how far the
                 # call got; the reconciler picks it up from there.

@@ -12,7 +12,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -97,6 +97,7 @@ LEASE_WAKE_MARGIN = 0.25
 database's clock, and a look exactly at the expiry could find it a hair short."""
 SUBMIT_RETRY_FIRST = 1.0
 SUBMIT_RETRY_MAX = 30.0
+ASKED_REMEMBERED = 10_000
 VERIFY_RETRY_SECONDS = 5.0
 """A verify hook that could not tell (its downstream away) is asked again after this."""
 
@@ -144,6 +145,7 @@ class Executor:
         self.settings = settings
         self.run_handlers = run_handlers
         self.liveness = liveness
+        self._asked: OrderedDict[CallKey, None] = OrderedDict()
 
     # ------------------------------------------------------------------ entry
 
@@ -401,6 +403,7 @@ class Executor:
     async def _wait_or_give_up(self, tool: RegisteredTool | None, call: CallRecord) -> HandleReport:
         deadline = tool.unknown_deadline if tool is not None else None
         if deadline is None:
+            self._ask_operator(call, None)
             return HandleReport(call.key, "waiting_for_operator", call.status)
         waited = _seconds_since(call.lease_expires_at or call.created_at)
         if waited >= deadline:
@@ -409,7 +412,30 @@ class Executor:
                 call.key, outcome, reason=f"unknown for more than {deadline:g}s: fixed failure submitted"
             )
             return await self._submitted_report(settled, "settled")
+        self._ask_operator(call, deadline - waited)
         return HandleReport(call.key, "waiting_for_operator", call.status, retry_in=deadline - waited)
+
+    def _ask_operator(self, call: CallRecord, deadline_in: float | None) -> None:
+        """Once per call and process: a warning an operator can act on, with the command."""
+        if call.key in self._asked:
+            return
+        self._asked[call.key] = None
+        if len(self._asked) > ASKED_REMEMBERED:
+            self._asked.popitem(last=False)
+        until = (
+            f"; unless settled, a fixed failure is sent in {deadline_in:.0f}s (unknown_deadline)"
+            if deadline_in is not None
+            else "; the session waits until then"
+        )
+        log.warning(
+            "call %s (%s, %s) has an unknown outcome: its handler may have run. Settle it: "
+            "toolledger calls resolve %s --output TEXT | --error TEXT | --rerun --reason WHY%s",
+            call.key,
+            call.tool_name,
+            call.effect_class.value,
+            call.key,
+            until,
+        )
 
     async def _submitted_report(self, call: CallRecord | None, action: str) -> HandleReport:
         if call is None:

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from toolledger.errors import SessionGoneError, StreamInterruptedError
+from toolledger.domain.states import CallStatus
+from toolledger.errors import (
+    AgentsAuthError,
+    AgentsUnavailableError,
+    ConfigurationError,
+    SessionGoneError,
+    StreamInterruptedError,
+)
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.ledger import ToolLedger
 from toolledger.logs import log_fields
@@ -82,6 +89,11 @@ class Service:
         self._loops: list[asyncio.Task[None]] = []
         self._wake_leases = asyncio.Event()
         self._stopped = asyncio.Event()
+        self.failed = asyncio.Event()
+        """Set when the service cannot go on (the Agents API refused its credentials):
+        ``failure`` says why; whoever runs the service should stop it."""
+        self.failure: BaseException | None = None
+        self._own_gateway = gateway is None
         self._stopping = False
         self._started = False
         self._last_renewal = time.monotonic()
@@ -92,10 +104,16 @@ class Service:
     # ------------------------------------------------------------------ life
 
     async def start(self) -> Service:
+        if self._own_gateway and not (self.settings.openai_api_key or self.settings.openai_base_url):
+            raise ConfigurationError(
+                "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY for the OpenAI API, or "
+                "TOOLLEDGER_OPENAI_BASE_URL for another server (a `toolledger emulator`, say)"
+            )
         if self.ledger.engine_is_sqlite:
             self._lock.acquire()
         try:
             await self.ledger.start()
+            await self._check_agents_api()
             # Before this replica registers or claims anything: held for its whole life, so
             # that others can tell when it is gone (store.liveness).
             await self.ledger.liveness.hold()
@@ -106,7 +124,9 @@ class Service:
         _allow_many_connections()
         executor = self.ledger.executor
         self._sessions = SessionStore(self.ledger.engine)
-        self._runner = CallRunner(executor, self.settings.max_concurrent_calls, on_report=self._note_report)
+        self._runner = CallRunner(
+            executor, self.settings.max_concurrent_calls, on_report=self._note_report, on_fatal=self._fail
+        )
         self._reconciler = Reconciler(
             executor,
             self.ledger.gateway,
@@ -121,6 +141,7 @@ class Service:
             log.info("recovery: %d session(s) with open calls are watched again", recovered)
         await self._take_over_gone()
         await self._balance()
+        await self._say_what_recovery_waits_for()
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="session leases"),
             asyncio.create_task(self._reconcile_loop(), name="periodic reconcile"),
@@ -135,6 +156,39 @@ class Service:
             self.settings.max_concurrent_calls,
         )
         return self
+
+    async def _say_what_recovery_waits_for(self) -> None:
+        """An operator restarting after a crash should not have to guess why nothing moves."""
+        store = self.ledger.store
+        held, soonest = await store.held_elsewhere()
+        if held:
+            log.info(
+                "recovery: %d call(s) run under live leases of other processes; taken when those "
+                "run out (the first at %s UTC) or as soon as their owners are found gone",
+                held,
+                soonest.strftime("%H:%M:%S") if soonest is not None else "?",
+            )
+        unknown = (await store.count_by_status()).get(CallStatus.UNKNOWN.value, 0)
+        if unknown:
+            log.warning(
+                "recovery: %d call(s) have an unknown outcome; those of at_most_once tools wait for "
+                "an operator: toolledger calls list --status unknown",
+                unknown,
+            )
+
+    async def _check_agents_api(self) -> None:
+        """Refused credentials end the start-up with the reason; an API away for now does
+        not (the ledger's own recovery goes on, and followers retry)."""
+        try:
+            await self.ledger.gateway.check()
+        except AgentsUnavailableError as error:
+            log.warning("the Agents API is not reachable now (%s); sessions are followed once it is", error)
+
+    def _fail(self, error: AgentsAuthError) -> None:
+        if self.failure is None:
+            self.failure = error
+            log.error("%s; stopping", error)
+        self.failed.set()
 
     async def stop(self, grace: float | None = None) -> int:
         """Graceful shutdown: take no new calls, let running ones finish within the grace
@@ -339,6 +393,9 @@ class Service:
             except SessionGoneError:
                 if await self._reconcile(session_id) is None:
                     return
+            except AgentsAuthError as error:
+                self._fail(error)
+                return
             except StreamInterruptedError as error:
                 log.info(
                     "session %s: event stream interrupted (%s); reconnecting",
@@ -428,6 +485,9 @@ class Service:
                         # The turn's last submissions may still be on their way back.
                         await runner.settle(session_id)
                         await self._reconcile(session_id)
+                    except AgentsAuthError as error:
+                        self._fail(error)
+                        return
                     except Exception:
                         log_failure(log, "session %s: reconcile failed", session_id)
                     except BaseException as interruption:
@@ -469,6 +529,9 @@ class Service:
                 candidates = [s.id for s in found if s.status != "failed"]
                 if await self.sessions.watch_new(candidates):
                     self._wake_leases.set()
+            except AgentsAuthError as error:
+                self._fail(error)
+                return
             except Exception:
                 log_failure(log, "discovering sessions by metadata %s failed; retrying", metadata)
             await asyncio.sleep(self.settings.discover_interval_seconds)

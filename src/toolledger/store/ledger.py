@@ -535,6 +535,20 @@ class LedgerStore:
             return None
         return call
 
+    async def held_elsewhere(self) -> tuple[int, datetime | None]:
+        """Running calls whose leases other processes hold, and the soonest their leases
+        run out (what a starting service waits for)."""
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(func.count(), func.min(tool_calls.c.lease_expires_at)).where(
+                        tool_calls.c.status == CallStatus.RUNNING.value,
+                        tool_calls.c.lease_owner.is_distinct_from(self.owner),
+                    )
+                )
+            ).one()
+        return int(row[0]), row[1]
+
     async def running_owners(self) -> set[str]:
         """Who holds the leases of running calls."""
         async with self.engine.connect() as conn:
