@@ -230,6 +230,47 @@ def test_serve__tools_that_cannot_be_loaded__exits_2_saying_why(
     assert result.stdout == ""
 
 
+BROKEN_TOOLS = {
+    "raises_at_import": ('raise RuntimeError("boom at import")\n', "registry"),
+    "syntax_error": ("def f(:\n", "registry"),
+    "missing_dependency": ("import a_module_nobody_installed\n", "registry"),
+    "factory_raises": ('def make():\n    raise ValueError("factory failed")\n', "make"),
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "complaint"),
+    [
+        ("raises_at_import", "importing 'raises_at_import' raised RuntimeError: boom at import"),
+        ("syntax_error", "importing 'syntax_error' failed: invalid syntax"),
+        ("missing_dependency", "it needs the module 'a_module_nobody_installed', which is not installed"),
+        ("factory_raises", "calling factory_raises:make() raised ValueError: factory failed"),
+    ],
+)
+def test_serve__tools_module_that_breaks__exits_2_with_one_line_saying_what_and_where(
+    module: str, complaint: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    source, attribute = BROKEN_TOOLS[module]
+    (tmp_path / f"{module}.py").write_text(source, encoding="utf-8")
+    result = run_cli(
+        "serve",
+        "--tools",
+        f"{module}:{attribute}",
+        database_url=sqlite_url,
+        timeout=20,
+        python_path=(tmp_path,),
+    )
+
+    assert result.returncode == 2, result.stderr
+    assert complaint in result.stderr
+    assert f"{tmp_path / module}.py, line" in result.stderr, "where, in the application's code"
+    assert "Traceback" not in result.stderr
+    # Click's usage lines, then the reason on one line.
+    assert [line for line in result.stderr.splitlines() if line.startswith("Error:")] == [
+        result.stderr.strip().splitlines()[-1]
+    ], result.stderr
+
+
 # ---------------------------------------------------------------- reconcile
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 from pathlib import Path
 
 from toolledger.errors import ToolLedgerError
@@ -15,7 +16,10 @@ class ToolsNotFoundError(ToolLedgerError):
 
 
 def load_registry(reference: str) -> ToolRegistry:
-    """``package.module:registry`` (a ToolRegistry, or a function returning one)."""
+    """``package.module:registry`` (a ToolRegistry, or a function returning one).
+
+    Whatever goes wrong is a ToolsNotFoundError with one line that says what and where: the
+    operator starting `serve` needs the reason, not a traceback through toolledger's code."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise ToolsNotFoundError(f"expected package.module:attribute, got {reference!r}")
@@ -27,13 +31,43 @@ def load_registry(reference: str) -> ToolRegistry:
     except ModuleNotFoundError as error:
         if error.name and module_name.startswith(error.name):
             raise ToolsNotFoundError(f"no module named {module_name!r} (from {reference!r})") from None
-        raise
+        raise ToolsNotFoundError(
+            f"importing {module_name!r} failed: it needs the module {error.name!r}, which is not "
+            f"installed{_where(error)}"
+        ) from None
+    except SyntaxError as error:
+        raise ToolsNotFoundError(
+            f"importing {module_name!r} failed: {error.msg} ({error.filename}, line {error.lineno})"
+        ) from None
+    except Exception as error:
+        raise ToolsNotFoundError(
+            f"importing {module_name!r} raised {_described(error)}{_where(error)}"
+        ) from None
     try:
         found = getattr(module, attribute)
     except AttributeError:
         raise ToolsNotFoundError(f"module {module_name!r} has no attribute {attribute!r}") from None
     if callable(found) and not isinstance(found, ToolRegistry):
-        found = found()
+        try:
+            found = found()
+        except Exception as error:
+            raise ToolsNotFoundError(
+                f"calling {reference}() raised {_described(error)}{_where(error)}"
+            ) from None
     if not isinstance(found, ToolRegistry):
         raise ToolsNotFoundError(f"{reference} is a {type(found).__name__}, not a toolledger ToolRegistry")
     return found
+
+
+def _described(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _where(error: BaseException) -> str:
+    """The innermost frame of the application's code, where the error was raised."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {last.filename}, line {last.lineno})"
