@@ -545,3 +545,43 @@ async def test_serve__credentials_refused__exits_1_at_start_with_the_reason_not_
     assert "sk-wrong" not in log, "the key is never echoed"
     assert "Traceback" not in log
     assert took < 15.0, f"took {took:.1f}s to give up"
+
+
+async def test_sessions_watch__checks_each_session_with_the_agents_api(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    (real,) = await start_sessions(emulator, 1, Script())
+    done = run_cli(
+        "sessions", "watch", real, "sess_fake", database_url=database_url, base_url=emulator.base_url
+    )
+    listed = run_cli("sessions", "list", "--json", database_url=database_url)
+
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines() == [f"{real}: watched"]
+    assert "sess_fake: no such session in the Agents API; not watched" in done.stderr
+    assert [json.loads(line)["session_id"] for line in listed.stdout.splitlines()] == [real]
+
+
+def test_sessions_watch__no_ledger_file_here__refused_and_none_created(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    url = f"sqlite+aiosqlite:///{elsewhere / 'toolledger.sqlite3'}"
+    done = run_cli("sessions", "watch", "sess_1", database_url=url)
+
+    assert done.returncode == 1
+    assert f"no ledger file at {elsewhere / 'toolledger.sqlite3'}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(elsewhere.iterdir()) == [], "no new, empty ledger made"
+
+
+async def test_reconcile__beside_a_running_sqlite_serve__runs(
+    sqlite_url: str, emulator: EmulatorServer, serve: StartServe, effects_file: Path
+) -> None:
+    """Only `serve` is one per SQLite file: a reconcile pass decides nothing the ledger does not."""
+    running = serve(sqlite_url, emulator.base_url)
+    await asyncio.to_thread(running.wait_serving)
+    done = run_cli("reconcile", "--tools", TOOLS, database_url=sqlite_url, base_url=emulator.base_url)
+
+    assert done.returncode == 0, done.stderr
+    assert "already served" not in done.stderr
+    assert done.stdout.startswith("reconciled ")

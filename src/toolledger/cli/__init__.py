@@ -253,16 +253,56 @@ def sessions() -> None:
 @sessions.command("watch")
 @click.argument("session_ids", nargs=-1, required=True)
 @database_option
-def sessions_watch(session_ids: tuple[str, ...], database_url: str | None) -> None:
-    """Have the service follow these sessions (a running `serve` picks them up within a second)."""
-    settings = settings_from(database_url=database_url)
+@base_url_option
+def sessions_watch(session_ids: tuple[str, ...], database_url: str | None, base_url: str | None) -> None:
+    """Have the service follow these sessions (a running `serve` picks them up within a second).
+
+    Each one is looked up in the Agents API first, when one is configured: a session that does
+    not exist is not watched (exit 1)."""
+    settings = settings_from(database_url=database_url, openai_base_url=base_url)
+    missing: list[str] = []
 
     async def watch(store: SessionStoreT) -> None:
+        unknown = await _sessions_not_found(settings, session_ids)
         for session_id in session_ids:
+            if session_id in unknown:
+                missing.append(session_id)
+                click.echo(f"{session_id}: no such session in the Agents API; not watched", err=True)
+                continue
             added = await store.watch(session_id)
             click.echo(f"{session_id}: {'watched' if added else 'already watched'}")
 
     run(_with_sessions(settings, watch))
+    if missing:
+        sys.exit(1)
+
+
+async def _sessions_not_found(settings: Settings, session_ids: tuple[str, ...]) -> set[str]:
+    """The sessions the Agents API says do not exist; none when no API is configured (said
+    once) or it cannot be reached (said, and the sessions are watched anyway)."""
+    if not (settings.openai_api_key or settings.openai_base_url):
+        click.echo("(not checked with the Agents API: none is configured)", err=True)
+        return set()
+    from toolledger.errors import AgentsUnavailableError, SessionGoneError
+    from toolledger.gateway.agents import AgentsGateway
+
+    key = settings.openai_api_key
+    gateway = AgentsGateway.connect(
+        api_key=key.get_secret_value() if key else None, base_url=settings.openai_base_url
+    )
+    missing: set[str] = set()
+    try:
+        for session_id in session_ids:
+            try:
+                await gateway.retrieve(session_id)
+            except SessionGoneError:
+                missing.add(session_id)
+            except AgentsUnavailableError as error:
+                click.echo(f"(not checked with the Agents API: {error})", err=True)
+                return set()
+    finally:
+        await gateway.close()
+    return missing
 
 
 @sessions.command("unwatch")
@@ -321,6 +361,13 @@ async def _with_sessions(
     from toolledger.store.engine import create_engine
     from toolledger.store.sessions import SessionStore
 
+    missing = _missing_sqlite_file(settings.database_url)
+    if missing is not None:
+        # Run from another directory, a relative default would make a new, empty ledger.
+        raise click.ClickException(
+            f"no ledger file at {missing}: run this where the ledger is, or set TOOLLEDGER_DATABASE_URL "
+            "(`toolledger serve` and `toolledger migrate` create one)"
+        )
     await ensure_schema(settings)
     engine = create_engine(settings.database_url)
     try:
@@ -400,31 +447,24 @@ async def _reconcile(
 ) -> dict[str, Any]:
     from toolledger.ledger import ToolLedger
     from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
-    from toolledger.store.exclusive import SQLiteServiceLock
     from toolledger.store.sessions import SessionStore
 
-    lock = SQLiteServiceLock(settings.database_url)
-    lock.acquire()
-    try:
-        async with ToolLedger(registry, settings, run_handlers=run_handlers) as ledger:
-            store = SessionStore(ledger.engine)
-            if not session_ids:
-                await store.watch_new(await store.with_open_calls())
-                session_ids = [record.session_id for record in await store.find(watched=True)]
-            reconciler = Reconciler(ledger.executor, ledger.gateway, store)
-            with click.progressbar(
-                length=len(session_ids), label="reconciling", file=sys.stderr, show_pos=True
-            ) as bar:
+    # No serve lock: a pass decides nothing the ledger does not, so it may run beside `serve`.
+    async with ToolLedger(registry, settings, run_handlers=run_handlers) as ledger:
+        store = SessionStore(ledger.engine)
+        if not session_ids:
+            await store.watch_new(await store.with_open_calls())
+            session_ids = [record.session_id for record in await store.find(watched=True)]
+        reconciler = Reconciler(ledger.executor, ledger.gateway, store)
+        with click.progressbar(
+            length=len(session_ids), label="reconciling", file=sys.stderr, show_pos=True
+        ) as bar:
 
-                def progress(_: SessionReconciliation | None) -> None:
-                    bar.update(1)
+            def progress(_: SessionReconciliation | None) -> None:
+                bar.update(1)
 
-                summary = await reconciler.reconcile_many(
-                    session_ids, concurrency=concurrency, progress=progress
-                )
-            return summary.as_json()
-    finally:
-        lock.release()
+            summary = await reconciler.reconcile_many(session_ids, concurrency=concurrency, progress=progress)
+        return summary.as_json()
 
 
 # ---------------------------------------------------------------------- status
