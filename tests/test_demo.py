@@ -50,8 +50,13 @@ def _check_summary(summary: dict[str, Any]) -> None:
 
 
 def test_demo__kills_its_workers_and_nothing_runs_twice_or_is_lost(tmp_path: Path) -> None:
+    # Run where a user keeps their clone: a `toolledger/` folder beside, which a child started
+    # with `python -m` would import instead of the installed package.
+    (tmp_path / "toolledger").mkdir()
+    (tmp_path / "toolledger" / "README.md").write_text("a checkout\n", encoding="utf-8")
+    console_script = Path(sys.executable).with_name("toolledger")
     done = subprocess.run(
-        [sys.executable, "-m", "toolledger.cli", "demo", "--json", "--keep", str(tmp_path / "kept")],
+        [str(console_script), "demo", "--json", "--keep", str(tmp_path / "kept")],
         cwd=tmp_path,
         env=_clean_environment(),
         capture_output=True,

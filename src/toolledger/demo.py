@@ -212,7 +212,9 @@ async def _run_worker(
     log = (workdir / f"serve-{number}.log").open("wb")
     # Starting a process takes milliseconds; waiting for it is done off the loop.
     process = subprocess.Popen(  # noqa: ASYNC220, S603 - our own CLI, fixed arguments
-        [sys.executable, "-m", "toolledger.cli", "serve", "--tools", TOOLS],
+        # -P: the current directory is not put on the path, so a `toolledger/` folder there
+        # (a clone, say) is not imported instead of the installed package.
+        [sys.executable, "-P", "-m", "toolledger.cli", "serve", "--tools", TOOLS],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
