@@ -603,3 +603,30 @@ def test_arguments__violating_the_schema__give_a_clear_arguments_failure_without
     message = outcome.payload["error"]
     assert message == "Invalid arguments: " + "; ".join(problems)
     assert ECHO_PROBE not in message
+
+
+def test_validation_message__a_secret_named_field__keeps_pydantic_s_words_unmasked() -> None:
+    class Strict(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        user: str
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        Strict.model_validate({"user": "u", "password": "hunter2"})
+    message = validation_message(caught.value)
+    assert message == "Invalid arguments: password: Extra inputs are not permitted"
+
+
+def test_validation_message__a_validator_quoting_a_secret__is_still_masked() -> None:
+    class Checked(pydantic.BaseModel):
+        note: str
+
+        @pydantic.field_validator("note")
+        @classmethod
+        def _no_keys(cls, value: str) -> str:
+            raise ValueError(f"looks like a key: {value}")
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        Checked.model_validate({"note": "sk-proj-ABCDEFGHIJKLMNOPQRST"})
+    message = validation_message(caught.value)
+    assert "sk-proj-ABCDEFGHIJKLMNOPQRST" not in message
+    assert message.startswith("Invalid arguments: note: Value error, looks like a key: ")

@@ -113,8 +113,10 @@ def validation_message(error: pydantic.ValidationError, redactor: Redactor = DEF
     for item in error.errors(include_url=False, include_input=False, include_context=False)[:10]:
         location = ".".join(str(part) for part in item["loc"]) or "arguments"
         # A location is made of the model's own keys: cap it, or a huge key floods the reply.
-        problems.append(f"{_capped(location, 80)}: {item['msg']}")
-    return _capped(redactor.text("Invalid arguments: " + "; ".join(problems)), TOOL_ERROR_MAX_CHARS)
+        # Each part is redacted on its own: redacted together, "password: Extra inputs are
+        # not permitted" reads as a secret-named field and its value, and loses its message.
+        problems.append(f"{redactor.text(_capped(location, 80))}: {redactor.text(item['msg'])}")
+    return _capped("Invalid arguments: " + "; ".join(problems), TOOL_ERROR_MAX_CHARS)
 
 
 def _capped(text: str, limit: int) -> str:
