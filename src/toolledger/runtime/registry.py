@@ -98,7 +98,18 @@ class ToolRegistry:
         max_attempts: int | None = None,
     ) -> FunctionTool[Any] | Callable[[Callable[..., Any]], FunctionTool[Any]]:
         """Register a typed function (sync or async) as a tool; a ``ToolContext`` parameter
-        receives the call's context and is left out of the schema."""
+        receives the call's context and is left out of the schema.
+
+        ``effect``: what a second run would do (``at_most_once`` by default: never run twice).
+        ``timeout``: seconds a run may take (default ``TOOLLEDGER_HANDLER_TIMEOUT_SECONDS``).
+        ``retries``/``retry_on``: runs again within one claim on these exceptions.
+        ``verify``: for ``verified`` tools, asks downstream whether an interrupted run happened.
+        ``unknown_deadline``: seconds (default None: no deadline) an interrupted run of an
+        ``at_most_once`` or ``verified`` call may stay ``unknown``, counted from the end of its
+        lease, before the model gets a fixed "outcome unknown" failure; without one the call
+        waits for an operator (``toolledger calls resolve``) for as long as it takes.
+        ``max_attempts``: claims before a re-runnable call is given up (default
+        ``TOOLLEDGER_MAX_ATTEMPTS``)."""
 
         def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
             handler = _handler_for(fn)
