@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from contextlib import closing
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
@@ -19,6 +20,11 @@ from toolledger import ToolContext, ToolError, ToolRegistry, Verification
 from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
 
 registry = ToolRegistry()
+
+PAYMENT_CONFIRMED_AFTER = 0.3
+"""Seconds the (pretend) payment system takes to confirm a charge it has made."""
+MAIL_ACKNOWLEDGED_AFTER = 1.0
+"""Seconds the (pretend) mail server takes to acknowledge a mail."""
 
 ORDERS = {
     "A1": {"item": "espresso machine", "cents": 24900, "email": "ann@example.com"},
@@ -93,7 +99,9 @@ def charge_card(order_id: str, cents: int, ctx: ToolContext) -> dict[str, object
     with closing(_world()) as world:
         world.execute("INSERT INTO charges VALUES (?, ?)", (ctx.idempotency_key, cents))
         _effect(world, "charge_card", ctx)
-    # Where the demo's worker dies: the card is charged, no result is stored yet.
+    time.sleep(PAYMENT_CONFIRMED_AFTER)
+    # Where the demo's worker dies: the card is charged, no result is stored yet (and the
+    # receipt, asked for in the same turn, is being sent).
     crash_point(CP_INSIDE_HANDLER)
     return {"charged_cents": cents, "order_id": order_id}
 
@@ -106,6 +114,9 @@ def send_receipt(order_id: str, ctx: ToolContext) -> str:
     with closing(_world()) as world:
         world.execute("INSERT OR IGNORE INTO mails VALUES (?, ?)", (ctx.idempotency_key, address))
         _effect(world, "send_receipt", ctx)
+    # The mail server takes a moment to acknowledge: a worker dying meanwhile (the demo's
+    # second one, inside charge_card) leaves this call cut off, and it is run again.
+    time.sleep(MAIL_ACKNOWLEDGED_AFTER)
     return f"receipt for {order_id} sent to {address}"
 
 

@@ -46,6 +46,10 @@ def _check_summary(summary: dict[str, Any]) -> None:
     assert "verify hook" in charge["story"]
     assert any("verify hook: the first run happened" in line for line in charge["timeline"])
     assert any("resubmitted, not re-run" in c["story"] for c in calls)
+    # Cut off by the kill inside charge_card every time, not by luck of timing.
+    (receipt,) = [c for c in calls if c["tool"] == "send_receipt"]
+    assert "re-run (idempotent: safe)" in receipt["story"], receipt
+    assert receipt["side_effects"] == 1, "run twice, one mail: the mailer keeps the key"
     assert summary["seconds"] < 60
 
 
