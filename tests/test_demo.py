@@ -49,7 +49,7 @@ def _check_summary(summary: dict[str, Any]) -> None:
     # Cut off by the kill inside charge_card every time, not by luck of timing.
     (receipt,) = [c for c in calls if c["tool"] == "send_receipt"]
     assert "re-run (idempotent: safe)" in receipt["story"], receipt
-    assert receipt["side_effects"] == 1, "run twice, one mail: the mailer keeps the key"
+    assert receipt["side_effects"] == 2, "run twice (the mailer keeps one mail per key)"
     assert summary["seconds"] < 60
 
 
