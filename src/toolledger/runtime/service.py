@@ -140,8 +140,9 @@ class Service:
         if recovered:
             log.info("recovery: %d session(s) with open calls are watched again", recovered)
         await self._take_over_gone()
-        await self._balance()
+        # Said before any follower starts: "serving" then comes before the first call's work.
         await self._say_what_recovery_waits_for()
+        await self._balance()
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="session leases"),
             asyncio.create_task(self._reconcile_loop(), name="periodic reconcile"),
