@@ -585,3 +585,39 @@ async def test_reconcile__beside_a_running_sqlite_serve__runs(
     assert done.returncode == 0, done.stderr
     assert "already served" not in done.stderr
     assert done.stdout.startswith("reconciled ")
+
+
+async def test_status__lists_unknown_calls_with_the_resolve_command_and_results_on_their_way(
+    database_url: str,
+) -> None:
+    from toolledger.domain.keys import CallKey
+    from toolledger.domain.results import succeeded
+    from toolledger.domain.states import EffectClass
+
+    engine = create_engine(database_url)
+    try:
+        ledger = LedgerStore(engine, actor="test")
+        unknown, stored = CallKey("sess_s", "turn_1", "call_u"), CallKey("sess_s", "turn_1", "call_s")
+        for key, lease in ((unknown, 0.01), (stored, 30.0)):
+            recorded = await ledger.record(
+                key,
+                tool_name="charge",
+                arguments={},
+                effect_class=EffectClass.AT_MOST_ONCE,
+                lease_seconds=lease,
+            )
+            assert recorded.claimed
+        await asyncio.sleep(0.05)
+        assert [c.key for c in await ledger.expire_leases()] == [unknown]
+        await ledger.complete(stored, 1, succeeded(stored, "done"))
+    finally:
+        await engine.dispose()
+
+    as_json, text = await run_all(("status", "--json"), ("status",), database_url=database_url)
+
+    report = json_of(as_json)
+    assert [(c["key"], c["status"]) for c in report["unknown_calls"]] == [(str(unknown), "unknown")]
+    assert [(c["key"], c["status"]) for c in report["awaiting_calls"]] == [(str(stored), "succeeded")]
+    assert f"unknown:    {unknown} (charge, at_most_once)" in text.stdout
+    assert f"toolledger calls resolve {unknown} --output TEXT" in text.stdout
+    assert f"awaiting:   {stored} (charge) succeeded" in text.stdout

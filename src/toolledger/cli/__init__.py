@@ -508,12 +508,25 @@ def status(as_json: bool, database_url: str | None) -> None:
             oldest = report["oldest_unsubmitted_age_seconds"]
             if oldest is not None:
                 click.echo(f"oldest unsubmitted result: {oldest:.1f}s")
+            for call in report["unknown_calls"]:
+                click.echo(
+                    f"unknown:    {call['key']} ({call['tool']}, {call['effect_class']}) for "
+                    f"{call['age_seconds']:.0f}s: toolledger calls resolve {call['key']} "
+                    "--output TEXT | --error TEXT | --rerun --reason WHY"
+                )
+            for call in report["awaiting_calls"]:
+                age = f"{call['age_seconds']:.0f}s"
+                click.echo(f"awaiting:   {call['key']} ({call['tool']}) {call['status']} for {age}")
     if not (report["database_reachable"] and report["schema_current"]):
         sys.exit(1)
 
 
+STATUS_CALLS_SHOWN = 20
+
+
 async def _status(settings: Settings) -> dict[str, Any]:
-    from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER
+    from toolledger.domain.records import CallRecord
+    from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER, CallStatus
     from toolledger.ledger import configured_redactor
     from toolledger.store import migrate as migrations
     from toolledger.store.engine import create_engine
@@ -568,6 +581,30 @@ async def _status(settings: Settings) -> dict[str, Any]:
         report["oldest_unsubmitted_age_seconds"] = (
             None if oldest is None else max(0.0, (now - aware(oldest)).total_seconds())
         )
+
+        def listed(call: CallRecord) -> dict[str, Any]:
+            since = {
+                CallStatus.UNKNOWN: call.lease_expires_at,
+                CallStatus.RUNNING: call.started_at,
+                CallStatus.SUCCEEDED: call.finished_at,
+                CallStatus.FAILED: call.finished_at,
+            }.get(call.status)
+            return {
+                "key": str(call.key),
+                "tool": call.tool_name,
+                "effect_class": call.effect_class.value,
+                "status": call.status.value,
+                "age_seconds": max(0.0, (now - aware(since or call.created_at)).total_seconds()),
+            }
+
+        # What an operator may have to act on, and what is still on its way to the model.
+        unknown = await ledger.in_states([CallStatus.UNKNOWN], limit=STATUS_CALLS_SHOWN)
+        report["unknown_calls"] = [listed(c) for c in unknown]
+        awaiting = await ledger.in_states(
+            [CallStatus.PENDING, CallStatus.RUNNING, CallStatus.SUCCEEDED, CallStatus.FAILED],
+            limit=STATUS_CALLS_SHOWN,
+        )
+        report["awaiting_calls"] = [listed(c) for c in awaiting]
     finally:
         await engine.dispose()
     return report
