@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.keys import CallKey
@@ -26,7 +27,7 @@ from toolledger.errors import FencedError
 from toolledger.store.engine import create_engine
 from toolledger.store.exclusive import SQLiteServiceLock
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.liveness import Liveness, liveness_for
+from toolledger.store.liveness import LOCK_CLASS, Liveness, liveness_for
 from toolledger.store.sessions import SessionStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,3 +237,32 @@ async def test_lease_remaining__on_the_database_clock(engine: AsyncEngine) -> No
     assert remaining is not None
     assert 28 < remaining <= 30
     assert await store.lease_remaining(_key()) is None, "no such call"
+
+
+async def test_postgres__a_lock_lost_with_its_connection__is_taken_again(postgres_url: str) -> None:
+    """A server restart or a cut connection drops the lock of a live replica (it then reads as
+    gone, as documented); its timer takes the lock again on a new connection."""
+    engine = create_engine(postgres_url)
+    holder = liveness_for(engine, _replica_id("holder"), SQLiteServiceLock(postgres_url))
+    checker = liveness_for(engine, _replica_id("checker"), SQLiteServiceLock(postgres_url))
+    try:
+        await holder.hold()
+        await SessionStore(engine).heartbeat_replica(holder.holder, hostname="h", pid=1, lease_seconds=30)
+        assert await checker.gone([holder.holder]) == frozenset()
+        async with engine.connect() as conn:
+            # This holder's lock only (other tests' replicas hold theirs on the same server).
+            terminated = await conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND classid = :c AND objid::bigint = (hashtext(:h)::bigint & 4294967295) "
+                    "AND objsubid = 2 AND granted"
+                ),
+                {"c": LOCK_CLASS, "h": holder.holder},
+            )
+            assert terminated.scalars().all() == [True]
+        assert await _gone_soon(checker, holder.holder) == {holder.holder}
+        await holder.ensure_held()
+        assert await checker.gone([holder.holder]) == frozenset()
+    finally:
+        await holder.release()
+        await engine.dispose()

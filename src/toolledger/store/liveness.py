@@ -69,8 +69,10 @@ class PostgresLiveness(Liveness):
         super().__init__(engine, holder)
         self._lock_engine: AsyncEngine | None = None
         self._connection: AsyncConnection | None = None
+        self._wanted = False
 
     async def hold(self) -> None:
+        self._wanted = True
         if self._connection is not None:
             return
         if self._lock_engine is None:
@@ -97,20 +99,23 @@ class PostgresLiveness(Liveness):
         self._connection = connection
 
     async def ensure_held(self) -> None:
+        if not self._wanted:
+            return
         connection = self._connection
-        if connection is None:
-            return
-        try:
-            await connection.execute(text("SELECT 1"))
-            return
-        except Exception:
-            log.warning("liveness lock of %s lost with its connection; taking it again", self.holder)
-        self._connection = None
-        with suppress(Exception):  # broken already: nothing to give back
-            await connection.close()
+        if connection is not None:
+            try:
+                await connection.execute(text("SELECT 1"))
+                return
+            except Exception:
+                log.warning("liveness lock of %s lost with its connection; taking it again", self.holder)
+            self._connection = None
+            with suppress(Exception):  # broken already: nothing to give back
+                await connection.close()
+        # Raises while the database is away; the caller's timer tries again.
         await self.hold()
 
     async def release(self) -> None:
+        self._wanted = False
         connection, self._connection = self._connection, None
         try:
             if connection is not None:
