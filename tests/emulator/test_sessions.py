@@ -95,10 +95,13 @@ def test_create__without_metadata__has_an_empty_map(client: OpenAI, metadata: op
 
 
 def test_create__with_an_agent_id_and_no_agent__runs_that_agent(client: OpenAI) -> None:
-    session = client.beta.agents.sessions.create(environment={"type": "none"}, agent_id="agent_reusable")
+    saved = client.beta.agents.create(model="emulated-saved")
 
-    assert session.agent.id == "agent_reusable"
-    assert client.beta.agents.sessions.retrieve(session.id).agent.id == "agent_reusable"
+    session = client.beta.agents.sessions.create(environment={"type": "none"}, agent_id=saved.id)
+
+    assert session.agent.id == saved.id
+    assert session.agent.model == "emulated-saved"
+    assert client.beta.agents.sessions.retrieve(session.id).agent.id == saved.id
 
 
 # ---------------------------------------------------------------- retrieve
@@ -453,13 +456,14 @@ def test_list__metadata_filter_with_after__pages_through_the_matches_only(client
 
 
 def test_list__agent_id_filter__returns_that_agents_sessions(client: OpenAI) -> None:
+    agent_id = client.beta.agents.create(model="emulated").id
     mine = [
-        client.beta.agents.sessions.create(environment={"type": "none"}, agent_id="agent_mine").id
+        client.beta.agents.sessions.create(environment={"type": "none"}, agent_id=agent_id).id
         for _ in range(2)
     ]
     create(client)
 
-    found = [s.id for s in client.beta.agents.sessions.list(agent_id="agent_mine", order="asc").data]
+    found = [s.id for s in client.beta.agents.sessions.list(agent_id=agent_id, order="asc").data]
 
     assert found == mine
     assert client.beta.agents.sessions.list(agent_id="agent_nobody").data == []

@@ -1,6 +1,6 @@
 """A local Agents API for tests, benchmarks, the demo, and users testing their own tools.
 
-It speaks the wire format of ``client.beta.agents.sessions`` (openai >= 3.51), runs a
+It speaks the wire format of ``client.beta.agents`` and its sessions (openai >= 3.51), runs a
 scripted model, injects faults on request, and records every tool result it receives.
 """
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +21,8 @@ from toolledger.emulator import wire
 from toolledger.emulator.asgi import DroppedResponse, EventStreamResponse
 from toolledger.emulator.faults import FaultAdapter
 from toolledger.emulator.inputs import (
+    AGENT_CREATE_BODY,
+    AGENT_UPDATE_BODY,
     EVENTS_BODY,
     SESSION_CREATE_BODY,
     AgentConfig,
@@ -33,6 +37,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 """Larger request bodies get 413, as a front proxy would answer."""
 
 log = logging.getLogger("toolledger.emulator")
+
+NOT_EMULATED = frozenset({"environments", "vaults", "automations"})
+"""Resources under /v1/agents/ the emulator does not serve: they are not agent ids."""
 
 
 class SessionUpdateBody(BaseModel):
@@ -134,7 +141,12 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
         try:
             return adapter.validate_json(raw)
         except ValidationError as error:
-            message, param = describe(error)
+            document = None
+            if error.errors()[0]["type"] != "json_invalid":
+                # pydantic read it as JSON, but Python's parser stops at a lower nesting depth.
+                with contextlib.suppress(ValueError, RecursionError):
+                    document = json.loads(raw)
+            message, param = describe(error, document)
             raise EmulatorAPIError(400, message, code="invalid_value", param=param) from None
 
     # ------------------------------------------------------------- Agents API
@@ -216,6 +228,42 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
     async def stream_events(session_id: str, include_obfuscation: bool = True) -> Response:
         subscriber = emulator.subscribe(session_id, obfuscate=include_obfuscation)
         return EventStreamResponse(emulator.deliveries(subscriber))
+
+    # Declared after the sessions routes: /v1/agents/{agent_id} would otherwise take them.
+
+    def saved_agent_id(agent_id: str) -> str:
+        if agent_id in NOT_EMULATED:
+            raise EmulatorAPIError(
+                404, f"The emulator does not serve /v1/agents/{agent_id}.", code="not_found"
+            )
+        return agent_id
+
+    @app.post("/v1/agents", dependencies=[Authorized])
+    async def create_agent(request: Request) -> JSONResponse:
+        body = parse(AGENT_CREATE_BODY, await read_body(request))
+        return JSONResponse(emulator.create_agent(body).json())
+
+    @app.get("/v1/agents", dependencies=[Authorized])
+    async def list_agents(
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> JSONResponse:
+        return JSONResponse(emulator.list_agents(limit=limit, after=after, order=order))
+
+    @app.get("/v1/agents/{agent_id}", dependencies=[Authorized])
+    async def retrieve_agent(agent_id: str) -> JSONResponse:
+        return JSONResponse(emulator.agent(saved_agent_id(agent_id)).json())
+
+    @app.post("/v1/agents/{agent_id}", dependencies=[Authorized])
+    async def update_agent(agent_id: str, request: Request) -> JSONResponse:
+        emulator.agent(saved_agent_id(agent_id))
+        body = parse(AGENT_UPDATE_BODY, await read_body(request))
+        return JSONResponse(emulator.update_agent(agent_id, body).json())
+
+    @app.delete("/v1/agents/{agent_id}", dependencies=[Authorized])
+    async def delete_agent(agent_id: str) -> JSONResponse:
+        return JSONResponse(emulator.delete_agent(saved_agent_id(agent_id)))
 
     # ------------------------------------------------------------ control API
 

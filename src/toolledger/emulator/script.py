@@ -8,12 +8,16 @@ completes with an assistant message that reflects every result it received.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SCRIPT_METADATA_KEY = "emulator_script"
-"""Session metadata key that selects a script: a registered script's name, or inline JSON."""
+"""Session (or saved agent) metadata key that selects a script: a registered script's name,
+or the script inline as JSON."""
 
 
 class ScriptedCall(BaseModel):
@@ -71,12 +75,24 @@ class ToolOutcome(BaseModel):
     error: str | None = None
 
 
-def final_answer(script: Script, outcomes: list[ToolOutcome], user_text: str) -> str:
-    """The assistant's closing message, reflecting every result of the turn."""
+def final_answer(
+    script: Script, outcomes: list[ToolOutcome], user_text: str, *, unscripted_tools: Sequence[str] = ()
+) -> str:
+    """The assistant's closing message, reflecting every result of the turn.
+
+    ``unscripted_tools``: the agent's tools when no script calls any; the answer then says
+    so, since a user watching for calls would otherwise see only silence.
+    """
     if script.final_message is not None:
         return script.final_message
     if not outcomes:
-        return f"You said: {user_text}" if user_text else "Done."
+        said = f"You said: {user_text}" if user_text else "Done."
+        if unscripted_tools:
+            said += (
+                f"\n(The emulated model called none of its tools ({', '.join(unscripted_tools)}): "
+                "it calls tools only as a script says. See docs/emulator.md.)"
+            )
+        return said
     lines = ["Results:"]
     for outcome in outcomes:
         if outcome.success:
@@ -85,3 +101,30 @@ def final_answer(script: Script, outcomes: list[ToolOutcome], user_text: str) ->
         else:
             lines.append(f"- {outcome.name}: failed {outcome.error or ''}".rstrip())
     return "\n".join(lines)
+
+
+SCRIPT_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A name a ``--script NAME=FILE`` registers: it goes in metadata and in URLs as it is."""
+
+
+def script_option(value: str) -> tuple[str | None, Path]:
+    """``[NAME=]FILE`` split into its name (None: the default script) and its file.
+
+    A file whose own name holds ``=`` is still read as a file when it exists.
+    """
+    name, equals, rest = value.partition("=")
+    if equals and SCRIPT_NAME_PATTERN.fullmatch(name) and not Path(value).exists():
+        return name, Path(rest)
+    return None, Path(value)
+
+
+def load_script(path: Path) -> Script:
+    """A script file; ``ValueError`` says in words what is wrong with it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        return Script.model_validate_json(raw)
+    except ValidationError as error:
+        raise ValueError(f"{path} is not a valid script:\n{error}") from None

@@ -85,12 +85,16 @@ def serve(
     port: int = 0,
     api_key: str | None = None,
     default_script: Script | None = None,
+    scripts: dict[str, Script] | None = None,
     log_level: str = "warning",
 ) -> None:
-    """Serve in the foreground until SIGTERM or SIGINT; print the base URL first."""
+    """Serve in the foreground until SIGTERM or SIGINT; print the base URL first.
+
+    ``scripts``: named scripts, selected by the metadata key ``emulator_script``."""
     sock = bind(host, port)
     print(base_url_of(sock), flush=True)
-    server = _server(sock, EmulatorState(default_script=default_script), api_key, log_level)
+    state = EmulatorState(default_script=default_script, scripts=scripts)
+    server = _server(sock, state, api_key, log_level)
     server.run(sockets=[sock])
 
 
@@ -108,15 +112,19 @@ class EmulatorServer:
         port: int = 0,
         api_key: str | None = None,
         default_script: Script | None = None,
+        scripts: dict[str, Script] | None = None,
         log_level: str = "warning",
         keepalive_seconds: float = KEEPALIVE_SECONDS,
     ) -> None:
-        """``keepalive_seconds``: how long a stream stays silent before a keep-alive comment."""
+        """``scripts``: named scripts, selected by the metadata key ``emulator_script``;
+        ``keepalive_seconds``: how long a stream stays silent before a keep-alive comment."""
         self._sock = bind(host, port)
         self.base_url = base_url_of(self._sock)
         self._server = _server(
             self._sock,
-            EmulatorState(default_script=default_script, keepalive_seconds=keepalive_seconds),
+            EmulatorState(
+                default_script=default_script, scripts=scripts, keepalive_seconds=keepalive_seconds
+            ),
             api_key,
             log_level,
         )

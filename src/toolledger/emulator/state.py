@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from toolledger.emulator.faults import (
     UnknownPending,
 )
 from toolledger.emulator.inputs import (
+    AgentCreateBody,
+    AgentUpdateBody,
     CancelInput,
     EventsBody,
     InputEvent,
@@ -40,9 +43,12 @@ from toolledger.emulator.inputs import (
     MessageInput,
     SessionCreateBody,
     ToolResultInput,
+    first_error,
     message_text,
 )
 from toolledger.emulator.script import SCRIPT_METADATA_KEY, Script, ToolOutcome, final_answer
+
+log = logging.getLogger("toolledger.emulator")
 
 KEEPALIVE_SECONDS = 15.0
 """An idle stream sends an SSE comment this often, so proxies keep it open."""
@@ -206,6 +212,26 @@ class Session:
 
 
 @dataclass
+class StoredAgent:
+    """A reusable agent: the create and update fields it was given, as JSON."""
+
+    id: str
+    config: dict[str, Any]
+    created_at: int
+    updated_at: int
+    seq: int
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.config.get("metadata") or {})
+
+    def json(self) -> dict[str, Any]:
+        return wire.reusable_agent(
+            self.id, self.config, created_at=self.created_at, updated_at=self.updated_at
+        )
+
+
+@dataclass
 class ToolResultReceipt:
     """One tool_result the emulator received, and what became of it."""
 
@@ -242,24 +268,118 @@ class EmulatorState:
     """Everything the emulated service knows."""
 
     def __init__(
-        self, *, default_script: Script | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS
+        self,
+        *,
+        default_script: Script | None = None,
+        scripts: dict[str, Script] | None = None,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
     ) -> None:
+        """``default_script`` and ``scripts`` (by name) are the start-up ones: a reset
+        restores them, as it forgets what was set later."""
         self.sessions: dict[str, Session] = {}
+        self.agents: dict[str, StoredAgent] = {}
         self.keepalive_seconds = keepalive_seconds
-        self.scripts: dict[str, Script] = {}
-        self.default_script = default_script or Script()
+        self._startup_scripts = dict(scripts or {})
+        self._startup_default = default_script or Script()
+        self.scripts: dict[str, Script] = dict(self._startup_scripts)
+        self.default_script = self._startup_default
         self.faults = FaultBoard()
         self.receipts: list[ToolResultReceipt] = []
         self._idempotent: dict[str, _StoredResponse] = {}
         self._seq = itertools.count()
         self._closed = False
+        self._told_unscripted = False
+
+    # ------------------------------------------------------------------ agents
+
+    def create_agent(self, body: AgentCreateBody) -> StoredAgent:
+        config = body.settings()
+        self._check_script_selector(config.get("metadata") or {})
+        created = wire.now()
+        stored = StoredAgent(
+            id=wire.new_id("agent"),
+            config=config,
+            created_at=created,
+            updated_at=created,
+            seq=next(self._seq),
+        )
+        self.agents[stored.id] = stored
+        return stored
+
+    def agent(self, agent_id: str, *, param: str | None = None) -> StoredAgent:
+        stored = self.agents.get(agent_id)
+        if stored is None:
+            raise EmulatorAPIError(
+                404, f"No agent found with id '{agent_id}'.", code="not_found", param=param
+            )
+        return stored
+
+    def update_agent(self, agent_id: str, body: AgentUpdateBody) -> StoredAgent:
+        stored = self.agent(agent_id)
+        changes = body.settings()
+        self._check_script_selector(changes.get("metadata") or {})
+        config = dict(stored.config)
+        for key, value in changes.items():
+            if key == "experimental":
+                # Experimental settings merge by key; every other field is replaced whole.
+                config[key] = {**(config.get(key) or {}), **value}
+            elif value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        stored.config = config
+        stored.updated_at = wire.now()
+        return stored
+
+    def list_agents(self, *, limit: int, after: str | None, order: str) -> dict[str, Any]:
+        ordered = sorted(self.agents.values(), key=lambda a: a.seq, reverse=order == "desc")
+        if after is not None:
+            ids = [a.id for a in ordered]
+            if after not in ids:
+                raise EmulatorAPIError(400, f"Invalid 'after': no agent '{after}'.", param="after")
+            ordered = ordered[ids.index(after) + 1 :]
+        page = ordered[:limit]
+        return {
+            "object": "list",
+            "data": [a.json() for a in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": len(ordered) > len(page),
+        }
+
+    def delete_agent(self, agent_id: str) -> dict[str, Any]:
+        # Sessions already created keep the agent they were created with, as the service's do.
+        self.agent(agent_id)
+        del self.agents[agent_id]
+        return wire.agent_deleted(agent_id)
+
+    def _check_script_selector(self, metadata: dict[str, str]) -> None:
+        """An inline script in an agent's metadata is checked when it is saved; a name may
+        be registered later, so it is looked up when a session starts."""
+        selector = metadata.get(SCRIPT_METADATA_KEY)
+        if selector is None or not selector.lstrip().startswith("{"):
+            return
+        try:
+            Script.model_validate_json(selector)
+        except ValidationError as error:
+            raise EmulatorAPIError(
+                400,
+                f"metadata.{SCRIPT_METADATA_KEY} is not a valid script: {first_error(error)}",
+                code="invalid_value",
+                param=f"metadata.{SCRIPT_METADATA_KEY}",
+            ) from None
 
     # ----------------------------------------------------------------- sessions
 
     def create_session(self, body: SessionCreateBody) -> tuple[Session, Subscriber | None]:
         """Create a session; with ``stream`` also subscribe before its first turn starts."""
         config = body.agent.settings() if body.agent is not None else {}
-        if body.agent_id is None and not config.get("model"):
+        saved = self.agent(body.agent_id, param="agent_id") if body.agent_id is not None else None
+        if saved is not None:
+            # The saved agent's settings, with the fields the session supplies over them.
+            experimental = {**(saved.config.get("experimental") or {}), **(config.get("experimental") or {})}
+            config = {**saved.config, **config, "experimental": experimental}
+        if saved is None and not config.get("model"):
             raise EmulatorAPIError(
                 400,
                 "Missing required parameter: 'agent.model'.",
@@ -275,6 +395,8 @@ class EmulatorState:
             )
         metadata = dict(body.metadata or {})
         script = self._script_from_metadata(metadata)
+        if script is None and saved is not None:
+            script = self._script_from_metadata(saved.metadata, owner=f"agent {saved.id}")
         created = wire.now()
         session = Session(
             id=wire.new_id("sess"),
@@ -297,7 +419,7 @@ class EmulatorState:
             self._start_turn(session, _as_messages(body.input))
         return session, subscriber
 
-    def _script_from_metadata(self, metadata: dict[str, str]) -> Script | None:
+    def _script_from_metadata(self, metadata: dict[str, str], *, owner: str | None = None) -> Script | None:
         selector = metadata.get(SCRIPT_METADATA_KEY)
         if selector is None:
             return None
@@ -306,10 +428,11 @@ class EmulatorState:
         try:
             return Script.model_validate_json(selector)
         except ValidationError:
+            where = f"metadata.{SCRIPT_METADATA_KEY}" + (f" of {owner}" if owner else "")
             raise EmulatorAPIError(
                 400,
-                f"metadata.{SCRIPT_METADATA_KEY} must name a registered script or hold a script as JSON.",
-                param=f"metadata.{SCRIPT_METADATA_KEY}",
+                f"{where} must name a registered script or hold a script as JSON.",
+                param="agent_id" if owner else f"metadata.{SCRIPT_METADATA_KEY}",
             ) from None
 
     def session(self, session_id: str) -> Session:
@@ -568,7 +691,9 @@ class EmulatorState:
             return
         turn.step += 1
         if turn.step >= len(script.steps):
-            self._complete_turn(session, turn, final_answer(script, turn.outcomes, turn.user_text))
+            unscripted = self._unscripted_tools(session, script)
+            text = final_answer(script, turn.outcomes, turn.user_text, unscripted_tools=unscripted)
+            self._complete_turn(session, turn, text)
             return
         output_index = len(turn.calls)
         calls = []
@@ -617,6 +742,24 @@ class EmulatorState:
         turn.status = "waiting"
         session.status = "requires_action"
         self._emit(session, "agent.session.requires_action", session=session.json())
+
+    def _unscripted_tools(self, session: Session, script: Script) -> list[str]:
+        """The agent's function tools when no script says to call any: the emulated model
+        cannot choose calls itself, and a user who expected them should learn why at once."""
+        if script.steps or script.final_message is not None:
+            return []
+        names = [tool["name"] for tool in session.agent["tools"]]
+        if names and not self._told_unscripted:
+            self._told_unscripted = True
+            log.warning(
+                "session %s: its agent has tools (%s) but no script, so the emulated model "
+                "calls none; give one with `toolledger emulator --script FILE` or the agent's "
+                "metadata %r (docs/emulator.md)",
+                session.id,
+                ", ".join(names),
+                SCRIPT_METADATA_KEY,
+            )
+        return names
 
     def _accept_result(self, session: Session, result: ToolResultInput) -> None:
         turn = session.active
@@ -790,8 +933,9 @@ class EmulatorState:
     def reset(self) -> None:
         for session_id in list(self.sessions):
             self.delete_session(session_id)
-        self.scripts.clear()
-        self.default_script = Script()
+        self.agents.clear()
+        self.scripts = dict(self._startup_scripts)
+        self.default_script = self._startup_default
         self.faults.clear()
         self.receipts.clear()
         self._idempotent.clear()

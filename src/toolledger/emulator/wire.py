@@ -1,4 +1,4 @@
-"""JSON shapes of the Agents API as the openai SDK parses them (types/beta/agent_session*.py).
+"""JSON shapes of the Agents API as the openai SDK parses them (types/beta/agent*.py).
 
 Every object the emulator sends is built here, so one file answers "what does the wire
 look like"; tests parse each of them with the SDK's strict validation.
@@ -27,6 +27,33 @@ def obfuscation() -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(secrets.randbelow(16) + 4))
 
 
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """An agent's resolved settings: what the service echoes for what was left out or null."""
+    reasoning = config.get("reasoning") or {}
+    multi_agent = config.get("multi_agent") or {}
+    text = config.get("text") or {}
+    compaction = config.get("compaction") or {}
+    experimental = config.get("experimental") or {}
+    return {
+        "instructions": config.get("instructions"),
+        "model": config.get("model") or "emulated-model",
+        "name": config.get("name"),
+        "multi_agent": (
+            {"enabled": True, "max_concurrent_subagents": multi_agent.get("max_concurrent_subagents", 6)}
+            if multi_agent.get("enabled")
+            else {"enabled": False, "max_concurrent_subagents": None}
+        ),
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "service_tier": config.get("service_tier") or "auto",
+        "text": {
+            "format": text.get("format") or {"type": "text"},
+            "verbosity": text.get("verbosity") or "medium",
+        },
+        "compaction": {"async": bool(compaction.get("async"))},
+        "experimental": {"time_awareness": bool(experimental.get("time_awareness"))},
+    }
+
+
 def agent(agent_id: str, config: dict[str, Any]) -> dict[str, Any]:
     """The session's effective agent. Only function tools are echoed: the SDK's AgentTool
     union has no ``tool_search`` entry, and the emulator runs no hosted tools."""
@@ -41,18 +68,70 @@ def agent(agent_id: str, config: dict[str, Any]) -> dict[str, Any]:
         for tool in config.get("tools") or []
         if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)
     ]
-    reasoning = config.get("reasoning") or {}
+    return {"id": agent_id, **_settings(config), "tools": tools}
+
+
+def reusable_agent(
+    agent_id: str, config: dict[str, Any], *, created_at: int, updated_at: int
+) -> dict[str, Any]:
+    """A saved agent (types/beta/agent.py), from the create and update fields it was given."""
     return {
         "id": agent_id,
-        "instructions": config.get("instructions"),
-        "model": config.get("model") or "emulated-model",
-        "name": config.get("name"),
-        "multi_agent": {"enabled": False, "max_concurrent_subagents": None},
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "service_tier": config.get("service_tier") or "auto",
-        "text": {"format": {"type": "text"}, "verbosity": "medium"},
-        "tools": tools,
+        "object": "agent",
+        "created_at": created_at,
+        "updated_at": updated_at,
+        "metadata": dict(config.get("metadata") or {}),
+        **_settings(config),
+        "tools": [persisted_tool(tool) for tool in config.get("tools") or []],
     }
+
+
+def persisted_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """One tool of a saved agent, every default filled in as the service reports it."""
+    kind = tool["type"]
+    if kind == "function":
+        return {
+            "type": "function",
+            "name": tool["name"],
+            "description": tool["description"],
+            "parameters": tool["parameters"],
+            "defer_loading": bool(tool.get("defer_loading", False)),
+            "async": bool(tool.get("async", False)),
+        }
+    if kind == "programmatic_tool_calling":
+        return {"type": kind, "enabled": tool.get("enabled", True)}
+    if kind == "mcp":
+        transport = dict(tool["transport"])
+        if transport["type"] == "http":
+            transport["headers"] = transport.get("headers") or {}
+        else:
+            transport["args"] = transport.get("args") or []
+            transport["env_vars"] = transport.get("env_vars") or []
+        return {
+            "type": kind,
+            "server_label": tool["server_label"],
+            "transport": transport,
+            "allowed_tools": tool.get("allowed_tools"),
+            "connection_origin": tool.get("connection_origin") or "service",
+            "credential_id": tool.get("credential_id"),
+            "request_metadata": tool.get("request_metadata") or {},
+            "required": bool(tool.get("required", False)),
+        }
+    if kind == "web_search":
+        return {
+            "type": kind,
+            "allowed_domains": tool.get("allowed_domains"),
+            "context_size": tool.get("context_size") or "medium",
+            "location": tool.get("location"),
+            "mode": tool.get("mode") or "live",
+        }
+    if kind == "computer_use":
+        return {"type": kind, "include_screenshots": bool(tool.get("include_screenshots", False))}
+    return {"type": kind}
+
+
+def agent_deleted(agent_id: str) -> dict[str, Any]:
+    return {"id": agent_id, "deleted": True, "object": "agent.deleted"}
 
 
 def session(
