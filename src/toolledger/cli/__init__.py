@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from pydantic import ValidationError
 
 from toolledger import __version__
 from toolledger.cli.api import api
@@ -58,10 +57,11 @@ def main() -> None:
 @click.option("--api-key", default=None, help="Refuse requests without this bearer token (default: any).")
 @click.option(
     "--script",
-    "script_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="JSON file with the default script for sessions that name none.",
+    "script_options",
+    multiple=True,
+    metavar="[NAME=]FILE",
+    help="A script file (JSON). Without NAME: the default, for sessions that select none. "
+    "With NAME: selected by the metadata emulator_script=NAME of a session or its agent. Repeatable.",
 )
 @click.option(
     "--log-level",
@@ -69,19 +69,53 @@ def main() -> None:
     default="warning",
     show_default=True,
 )
-def emulator(host: str, port: int, api_key: str | None, script_path: Path | None, log_level: str) -> None:
-    """Serve a local Agents API; prints the base URL to pass to OpenAI(base_url=...)."""
-    from toolledger.emulator import Script, serve
+def emulator(
+    host: str, port: int, api_key: str | None, script_options: tuple[str, ...], log_level: str
+) -> None:
+    """Serve a local Agents API; prints the base URL to pass to OpenAI(base_url=...).
 
-    default_script = None
-    if script_path is not None:
+    The emulated model calls tools only as a script says. A script file, for an agent
+    whose tools include send_receipt and charge_card:
+
+    \b
+      {"steps": [
+         {"calls": [{"name": "send_receipt", "arguments": {"order_id": "A1"}}]},
+         {"calls": [{"name": "charge_card", "arguments": {"cents": 500}}]}]}
+
+    Each step's calls are made at once, the next step when they all have results; the
+    turn then ends with a message listing the results. A session follows the script its
+    metadata emulator_script selects (a NAME, or a script inline as JSON), else the one
+    its agent's metadata selects, else the default; with no script it calls nothing.
+
+    The script format, with examples: docs/emulator.md in the toolledger repository.
+    """
+    from toolledger.emulator import Script, serve
+    from toolledger.emulator.script import load_script, script_option
+
+    default_script: Script | None = None
+    scripts: dict[str, Script] = {}
+    for value in script_options:
+        name, path = script_option(value)
         try:
-            default_script = Script.model_validate_json(script_path.read_bytes())
-        except ValidationError as error:
+            script = load_script(path)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--script") from None
+        if name is not None:
+            scripts[name] = script
+        elif default_script is not None:
             raise click.BadParameter(
-                f"{script_path} is not a valid script:\n{error}", param_hint="--script"
-            ) from None
-    serve(host=host, port=port, api_key=api_key, default_script=default_script, log_level=log_level)
+                "give one default script; name the others as NAME=FILE", param_hint="--script"
+            )
+        else:
+            default_script = script
+    serve(
+        host=host,
+        port=port,
+        api_key=api_key,
+        default_script=default_script,
+        scripts=scripts,
+        log_level=log_level,
+    )
 
 
 @main.command()
