@@ -26,6 +26,13 @@ DEFAULT_PAGE = 50
 MAX_FILTER_CHARS = 255
 """Ids and names are at most 255 characters in the ledger: a longer filter matches nothing."""
 MAX_TEXT_CHARS = 200
+_MAX_CURSOR_JSON = 4 * (MAX_FILTER_CHARS * 12 + 2) + 5
+MAX_CURSOR_CHARS = 4 * -(-_MAX_CURSOR_JSON // 3)
+"""The longest cursor ``Cursor.encode`` can make: a JSON array of four strings of at most 255
+characters, each escaped to at most 12 (a surrogate pair), in base64."""
+MAX_TIME_CHARS = 64
+"""Longer than any ISO 8601 time or duration: refused before it is parsed."""
+MAX_DURATION_DIGITS = 6
 
 
 class QueryError(ValueError):
@@ -52,18 +59,30 @@ class Cursor:
 
     @classmethod
     def decode(cls, text: str) -> Cursor:
+        """The cursor ``encode`` made, or QueryError: a cursor is opaque, and anything else
+        (hand-made, edited, truncated) is refused before it reaches a parser's recursion, the
+        driver's text encoding or a query."""
         try:
+            if len(text) > MAX_CURSOR_CHARS:
+                raise ValueError
             padded = text + "=" * (-len(text) % 4)
             value, *key = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
             if not (value is None or isinstance(value, str)) or len(key) != 3:
                 raise ValueError
             if not all(isinstance(part, str) for part in key):
                 raise ValueError
-            # A hand-made cursor must not carry what no filter may (PostgreSQL refuses NUL).
-            if any("\x00" in part or len(part) > MAX_FILTER_CHARS for part in (value or "", *key)):
+            for part in (value or "", *key):
+                # PostgreSQL refuses NUL, and a lone surrogate is not text any driver can send.
+                if "\x00" in part or len(part) > MAX_FILTER_CHARS:
+                    raise ValueError
+                part.encode("utf-8")
+            cursor = cls(value, CallKey(*key))
+            # base64 decoding skips characters outside its alphabet and JSON has many
+            # spellings of one value: only the server's own spelling is a cursor.
+            if cursor.encode() != text.rstrip("="):
                 raise ValueError
-            return cls(value, CallKey(*key))
-        except (ValueError, TypeError, UnicodeError, binascii.Error) as error:
+            return cursor
+        except (ValueError, TypeError, UnicodeError, RecursionError, binascii.Error) as error:
             raise QueryError("invalid cursor: pass the next_cursor of a previous page unchanged") from error
 
 
@@ -133,7 +152,7 @@ def parse_sort(text: str) -> tuple[SortKey, bool]:
     return _member(SortKey, name, "sort key"), descending
 
 
-_DURATION = re.compile(r"^\s*(\d+)\s*(s|m|h|d|w)\s*$")
+_DURATION = re.compile(r"^\s*([0-9]+)\s*(s|m|h|d|w)\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -141,25 +160,25 @@ def parse_duration(text: str) -> timedelta:
     """``90d``, ``12h``, ``30m``, ``45s``, ``2w``."""
     match = _DURATION.match(text)
     if match is None:
-        raise QueryError(f"invalid duration {text!r}: use a number and a unit, like 90d, 12h, 30m")
-    amount = int(match.group(1))
-    if amount > 100_000:
-        raise QueryError(f"duration {text!r} is too long")
-    return timedelta(seconds=amount * _UNITS[match.group(2)])
+        raise QueryError(f"invalid duration {_quoted(text)}: use a number and a unit, like 90d, 12h, 30m")
+    # int() refuses more than 4,300 digits with a ValueError of its own: count them first.
+    digits = match.group(1).lstrip("0") or "0"
+    if len(digits) > MAX_DURATION_DIGITS or int(digits) > 100_000:
+        raise QueryError(f"duration {_quoted(text)} is too long")
+    return timedelta(seconds=int(digits) * _UNITS[match.group(2)])
 
 
 def parse_moment(text: str, now: datetime) -> datetime:
     """An ISO 8601 time (UTC unless it says otherwise), or a duration meaning that long ago."""
-    try:
+    usage = "use ISO 8601 (2026-12-01T09:00:00Z) or a duration ago (24h)"
+    if len(text) > MAX_TIME_CHARS:
+        raise QueryError(f"time {_quoted(text)} is too long: {usage}")
+    if _DURATION.match(text) is not None:
         return now - parse_duration(text)
-    except QueryError:
-        pass
     try:
         moment = datetime.fromisoformat(text.strip())
     except ValueError:
-        raise QueryError(
-            f"invalid time {text!r}: use ISO 8601 (2026-12-01T09:00:00Z) or a duration ago (24h)"
-        ) from None
+        raise QueryError(f"invalid time {_quoted(text)}: {usage}") from None
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
@@ -186,6 +205,11 @@ class CallReference:
         if len(text) > MAX_FILTER_CHARS:
             raise QueryError(f"a call id is at most {MAX_FILTER_CHARS} characters")
         return cls(call_id=text)
+
+
+def _quoted(text: str) -> str:
+    """The value as typed, in a message: shortened, so a 10 KB filter is not echoed whole."""
+    return repr(text) if len(text) <= MAX_TIME_CHARS else repr(text[:MAX_TIME_CHARS]) + "..."
 
 
 def _split(values: list[str] | tuple[str, ...]) -> list[str]:
