@@ -52,6 +52,7 @@ from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.settings import Settings
 from toolledger.store import migrate
+from toolledger.store.engine import lower_like_postgresql as folded
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
@@ -916,16 +917,16 @@ class HostileProbe:
             expected = ids([r for r in self.rows if getattr(r, column) == value])
         else:
             patterns = [p for p in parameters if p.startswith("%") and p.endswith("%") and len(p) >= 2]
-            # One pattern per searched column, each the whole value with its wildcards escaped.
+            # The whole value with its wildcards escaped, folded by the database (both sides).
             assert patterns
-            assert {_unescape_like(p[1:-1]) for p in patterns} == {value.lower()}
-            needle = value.lower()
+            assert {_unescape_like(p[1:-1]) for p in patterns} == {value}
+            needle = folded(value)
             expected = ids(
                 [
                     r
                     for r in self.rows
                     if any(
-                        needle in part.lower() for part in (r.tool_name, r.session_id, r.turn_id, r.call_id)
+                        needle in folded(part) for part in (r.tool_name, r.session_id, r.turn_id, r.call_id)
                     )
                 ]
             )

@@ -336,16 +336,18 @@ class Service:
     async def _take_over_gone(self) -> bool:
         """Retire the replicas provably gone (store.liveness): free their session leases and
         make their running calls ``unknown``, to be settled by effect class. True if any."""
-        candidates = await self.sessions.replica_ids() - self._gone - {self.replica_id}
+        holding = await self.sessions.holders() | await self.ledger.store.running_owners()
+        candidates = holding - self._gone - {self.replica_id}
         gone = await self.ledger.liveness.gone(candidates)
         if not gone:
             return False
         self._gone |= gone
         freed = await self.sessions.retire_replicas(gone)
         taken = await self.ledger.store.expire_leases(gone_owners=gone)
+        named = sorted(gone)
         log.warning(
             "replica(s) %s gone (liveness lock free): took over %d session lease(s) and %d running call(s)",
-            ", ".join(sorted(gone)),
+            ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else ""),
             freed,
             len(taken),
         )

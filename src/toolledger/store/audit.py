@@ -12,15 +12,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, or_, select, tuple_
+from sqlalchemy import Select, String, and_, delete, func, literal, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryError, SortKey
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
-from toolledger.store.engine import uninterrupted_on_sqlite, write_transaction
+from toolledger.store.engine import SQLITE_LOWER, uninterrupted_on_sqlite, write_transaction
 from toolledger.store.ledger import _record, call_events
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
@@ -223,13 +226,32 @@ def _filters(query: CallQuery) -> list[ColumnElement[bool]]:
     if query.until is not None:
         clauses.append(tool_calls.c.created_at < query.until)
     if query.text is not None:
-        pattern = "%" + _escape_like(query.text.lower()) + "%"
+        # Both sides folded by the same function in the database (not the pattern in Python):
+        # PostgreSQL's lower() and Python's differ (a final sigma), and the trigram index is
+        # on lower(column).
+        pattern = lowered(literal("%" + _escape_like(query.text) + "%"))
         clauses.append(
-            or_(
-                *(func.lower(column).like(pattern, escape="\\") for column in (tool_calls.c.tool_name, *_KEY))
-            )
+            or_(*(lowered(column).like(pattern, escape="\\") for column in (tool_calls.c.tool_name, *_KEY)))
         )
     return clauses
+
+
+class lowered(FunctionElement[str]):
+    """lower(): PostgreSQL's own; on SQLite a registered function that folds every letter
+    as PostgreSQL does (SQLite's lower() leaves all but ASCII alone: café would miss CAFÉ)."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(lowered, "postgresql")
+def _pg_lowered(element: lowered, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"lower({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(lowered, "sqlite")
+def _sqlite_lowered(element: lowered, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"{SQLITE_LOWER}({compiler.process(element.clauses, **kw)})"
 
 
 def _after(query: CallQuery, column: Any, cursor: Cursor) -> ColumnElement[bool]:

@@ -30,6 +30,7 @@ def create_engine(url: str, **options: Any) -> AsyncEngine:
     if parsed.get_backend_name() == "sqlite":
         engine = create_async_engine(url, **options)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "connect", _sqlite_functions)
         return engine
     # No pre-ping: it cost a round trip per checkout, and every ledger write is a checkout
     # (a tenth of serve's CPU in a profile). A connection broken by a database restart fails
@@ -156,6 +157,37 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+SQLITE_LOWER = "toolledger_lower"
+"""SQLite's name for ``lower_like_postgresql``: its own lower() folds ASCII letters only."""
+
+
+class _PerCharacterLower(dict[int, str]):
+    """A ``str.translate`` table filled as characters are met."""
+
+    def __missing__(self, code: int) -> str:
+        lowered = chr(code).lower()
+        # One character for one, as PostgreSQL maps them: İ (the one letter whose lowercase
+        # is two characters, i and a combining dot) becomes i.
+        self[code] = lowered if len(lowered) == 1 else lowered[0]
+        return self[code]
+
+
+_LOWER = _PerCharacterLower()
+
+
+def lower_like_postgresql(text: Any) -> Any:
+    """lower() as PostgreSQL computes it in a UTF-8 database: each character on its own,
+    by Unicode's tables (Python's ``str.lower`` looks at context: a final Σ becomes ς), so
+    that a search matches the same calls on SQLite as on PostgreSQL."""
+    if not isinstance(text, str):
+        return text
+    return text.lower() if text.isascii() else text.translate(_LOWER)
+
+
+def _sqlite_functions(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.create_function(SQLITE_LOWER, 1, lower_like_postgresql, deterministic=True)
+
+
 class utc_now(expression.FunctionElement[datetime]):
     """The database's clock, so that workers with skewed clocks agree on lease expiry."""
 
@@ -195,6 +227,7 @@ def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
 def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
     return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', '+' || ({seconds}) || ' seconds')"
+
 
 class seconds_until(expression.FunctionElement[float]):
     """Seconds from the database's clock until a timestamp column (negative once past)."""

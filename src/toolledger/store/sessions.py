@@ -213,10 +213,16 @@ class SessionStore:
             )
             return freed.rowcount
 
-    async def replica_ids(self) -> set[str]:
-        """Every registered replica, live or not yet cleaned up (an hour after it stopped)."""
+    async def holders(self) -> set[str]:
+        """Replicas that may hold something: counted live, or owning a session lease still
+        running. (A replica already retired holds nothing here; its call leases are the
+        ledger's to list.)"""
         async with self.engine.connect() as conn:
-            return set((await conn.execute(select(replicas.c.replica_id))).scalars())
+            live = select(replicas.c.replica_id).where(replicas.c.expires_at >= utc_now())
+            leasing = select(sessions.c.owner).where(
+                sessions.c.owner.is_not(None), sessions.c.lease_expires_at >= utc_now()
+            )
+            return {owner for owner in (await conn.execute(live.union(leasing))).scalars() if owner}
 
     async def fair_share(self) -> int:
         """How many watched sessions each live replica should own."""
