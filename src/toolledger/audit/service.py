@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 MAX_OPERATOR_CHARS = 100
 MAX_REASON_CHARS = 2000
+_WHITESPACE = "".join(char for char in map(chr, range(0x3001)) if char.isspace())
+"""What str.strip() removes (nothing above U+3000 is whitespace to Python)."""
+REASON_PATTERN = "[^" + "".join(f"\\u{ord(char):04x}" for char in _WHITESPACE) + "]"
+"""A reason that is not blank, as a JSON Schema pattern: it holds a character strip() keeps.
+Each whitespace character is spelled out, so every regex engine (a client's, a validator's)
+reads it as Python does."""
 
 
 class AmbiguousCallError(ToolLedgerError):
@@ -95,6 +101,20 @@ class ResolveReport:
     """``submitted``, ``abandoned`` (the session no longer awaits it), ``submit_failed`` (left
     for the reconciler), ``not_sent`` (no Agents API configured: the service submits it),
     ``rerun`` (ran again here and submitted), ``left_for_service`` (re-run by ``serve``)."""
+
+
+def configured_gateway(settings: Settings) -> AgentsGateway | None:
+    """The Agents API a resolution is submitted to: only one configured here, by its key or
+    its base URL. Without either (unset or blank) there is none, and a resolution is recorded
+    and answered ``not_sent``, for `serve` to submit: the SDK's defaults (its public address,
+    a placeholder key) must not become a destination nobody chose."""
+    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key is not None else ""
+    base_url = settings.openai_base_url or ""
+    if not key.strip() and not base_url.strip():
+        return None
+    return AgentsGateway.connect(
+        api_key=key or None, base_url=base_url or None, attempts=settings.submit_attempts
+    )
 
 
 class AuditService:
@@ -296,4 +316,5 @@ __all__ = [
     "Resolution",
     "ResolutionKind",
     "ResolveReport",
+    "configured_gateway",
 ]

@@ -622,8 +622,7 @@ async def audit_service(
     settings: Settings, *, submits: bool = False, registry: ToolRegistry | None = None
 ) -> AsyncIterator[AuditService]:
     """An AuditService over the configured ledger (and, to submit, the Agents API)."""
-    from toolledger.audit.service import AuditService
-    from toolledger.gateway.agents import AgentsGateway
+    from toolledger.audit.service import AuditService, configured_gateway
     from toolledger.ledger import configured_redactor
     from toolledger.store.engine import create_engine
 
@@ -631,14 +630,7 @@ async def audit_service(
     await ensure_schema(settings)
     # Statement parameters are tool arguments and outputs: never in an error's text.
     engine = create_engine(settings.database_url, hide_parameters=True)
-    gateway = None
-    if submits and (settings.openai_api_key is not None or settings.openai_base_url is not None):
-        key = settings.openai_api_key
-        gateway = AgentsGateway.connect(
-            api_key=key.get_secret_value() if key else None,
-            base_url=settings.openai_base_url,
-            attempts=settings.submit_attempts,
-        )
+    gateway = configured_gateway(settings) if submits else None
     try:
         yield AuditService(
             engine, settings, redactor=configured_redactor(settings), gateway=gateway, registry=registry
