@@ -327,7 +327,13 @@ class Service:
             await sessions.release(self.replica_id, given)
             log.info("rebalancing: gave back %d session(s)", len(given))
         elif excess < 0 and not self._stopping:
-            for session_id, token in (await sessions.acquire(self.replica_id, -excess, lease)).items():
+            acquired = await sessions.acquire(self.replica_id, -excess, lease)
+            if len(acquired) > 1:
+                # Sessions with calls still open first: after a restart with many watched
+                # sessions, their reconciles (queued, a few at a time) come before idle ones'.
+                open_now = set(await sessions.with_open_calls())
+                acquired = dict(sorted(acquired.items(), key=lambda item: item[0] not in open_now))
+            for session_id, token in acquired.items():
                 self._leases[session_id] = token
                 self._followers[session_id] = asyncio.create_task(
                     self._follow(session_id), name=f"follow {session_id}"
