@@ -121,6 +121,16 @@ class Settings(BaseSettings):
     api_port: int = Field(
         default=8700, ge=0, le=65535, description="Port of the audit API; 0 picks a free one."
     )
+    api_docs: bool = Field(
+        default=False,
+        description="Serve Swagger UI at /docs, its files from the installed `fastapi-offline` "
+        "package (never a CDN); /openapi.json is served either way.",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="When set, GET /metrics needs `Authorization: Bearer` with this token or any "
+        "audit API token (read tokens too); unset, /metrics is open to anyone who can reach it.",
+    )
 
     @field_validator("database_url")
     @classmethod

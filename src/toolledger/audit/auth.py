@@ -3,6 +3,8 @@
 Tokens come from settings (``TOOLLEDGER_API_TOKENS``: read, resolve, watch;
 ``TOOLLEDGER_API_READ_TOKENS``: read only). The name of the token used is the operator
 recorded on a resolution. A token is never logged, echoed or kept beyond its digest.
+``TOOLLEDGER_METRICS_TOKEN``, when set, closes ``/metrics`` to anyone without it or an API
+token.
 
 With no token configured at all the API serves loopback only, to anyone on the machine
 (``local``), and refuses requests a browser could be tricked into sending from elsewhere.
@@ -26,6 +28,7 @@ from toolledger.errors import ToolLedgerError
 from toolledger.settings import Settings
 
 MIN_TOKEN_CHARS = 16
+METRICS_VARIABLE = "TOOLLEDGER_METRICS_TOKEN"
 MAX_TOKEN_NAME_CHARS = 64
 LOCAL_OPERATOR = "local"
 """The operator recorded when no token is configured (loopback only)."""
@@ -60,7 +63,12 @@ class TokenRing:
     so which name matched does not show either.
     """
 
-    def __init__(self, full: dict[str, SecretStr], read_only: dict[str, SecretStr]) -> None:
+    def __init__(
+        self,
+        full: dict[str, SecretStr],
+        read_only: dict[str, SecretStr],
+        metrics: SecretStr | None = None,
+    ) -> None:
         names = [*full, *read_only]
         if len(set(names)) != len(names):
             raise ApiConfigurationError("a token name is both in api_tokens and api_read_tokens: use one")
@@ -68,17 +76,33 @@ class TokenRing:
             *_tokens(full.items(), may_write=True),
             *_tokens(read_only.items(), may_write=False),
         ]
-        if len({t.digest for t in tokens}) != len(tokens):
+        # The metrics token opens /metrics and nothing else: it is kept apart from the named
+        # tokens, so it can never stand for an operator.
+        scrapers = _tokens([(METRICS_VARIABLE, metrics)], may_write=False) if metrics is not None else []
+        if len({t.digest for t in [*tokens, *scrapers]}) != len(tokens) + len(scrapers):
             raise ApiConfigurationError("two API tokens have the same value: give every name its own token")
         self._tokens = tokens
+        self._scrapers = scrapers
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TokenRing:
-        return cls(settings.api_tokens, settings.api_read_tokens)
+        return cls(settings.api_tokens, settings.api_read_tokens, settings.metrics_token)
 
     @property
     def empty(self) -> bool:
         return not self._tokens
+
+    @property
+    def metrics_closed(self) -> bool:
+        """A metrics token is set: /metrics needs it, or any API token."""
+        return bool(self._scrapers)
+
+    def may_scrape(self, presented: str) -> bool:
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
+        matched = False
+        for token in [*self._tokens, *self._scrapers]:
+            matched = hmac.compare_digest(digest, token.digest) or matched
+        return matched
 
     def identify(self, presented: str) -> Principal | None:
         digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
@@ -150,6 +174,24 @@ async def authenticated(
     return principal
 
 
+async def metrics_reader(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+) -> None:
+    """/metrics names every tool and counts its calls: with a metrics token configured, only a
+    scraper holding it (or an API token) may read them."""
+    tokens: TokenRing = request.app.state.tokens
+    if not tokens.metrics_closed:
+        return
+    if credentials is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=_CHALLENGE)
+    if not tokens.may_scrape(credentials.credentials):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "the bearer token is not valid",
+            headers={"WWW-Authenticate": 'Bearer realm="toolledger", error="invalid_token"'},
+        )
+
+
 async def may_write(principal: Annotated[Principal, Depends(authenticated)]) -> Principal:
     """Resolving calls and watching sessions change the ledger: a read token may not."""
     if not principal.may_write:
@@ -189,4 +231,5 @@ __all__ = [
     "ensure_safe_exposure",
     "is_loopback",
     "may_write",
+    "metrics_reader",
 ]
