@@ -2,9 +2,14 @@
 and the web view's static files.
 
 Every ``/api`` route depends on ``auth.authenticated``; only ``/healthz``, ``/readyz``,
-``/metrics``, the OpenAPI document and docs, and the static page itself are open. Errors keep
-to ``{"detail": "..."}``: a bad filter is 422, a call nobody has 404, an ambiguous or settled
-one 409, a database away 503, anything else a bare 500 (the exception is logged, redacted).
+``/metrics`` (unless ``TOOLLEDGER_METRICS_TOKEN`` closes it), the OpenAPI document, the docs
+page when enabled, and the static page itself are open. Errors keep to ``{"detail": "..."}``:
+any request the API cannot use (a bad filter, reference or body, whoever noticed it: our
+parsers or FastAPI's validation) is 400, a missing or invalid token 401, a read token on a
+write 403, a call nobody has 404, the wrong method 405, an ambiguous or settled call 409, a
+body over 64 KiB 413, a database away 503, anything else a bare 500 (the exception is logged,
+redacted). The OpenAPI document declares exactly these (``_openapi``), and a contract test
+holds the app to it.
 
 ``create_app`` builds the app; ``serve_api`` runs one with uvicorn until told to stop;
 ``api_server_task`` does both, for ``toolledger api`` and for ``toolledger serve --api``.
@@ -17,40 +22,51 @@ import contextlib
 import logging
 import socket
 import traceback
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from alembic.runtime.migration import MigrationContext
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy import Connection, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from toolledger import __version__
-from toolledger.audit.auth import Reader, TokenRing, Writer, ensure_safe_exposure
+from toolledger.audit.auth import Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
+from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
 from toolledger.audit.service import (
+    MAX_REASON_CHARS,
+    REASON_PATTERN,
     AmbiguousCallError,
     AuditService,
     NotResolvableError,
     Resolution,
     ResolutionKind,
+    configured_gateway,
 )
 from toolledger.audit.views import CallDetail, CallPage, CallView, SessionView
 from toolledger.domain.queries import (
     DEFAULT_PAGE,
     MAX_FILTER_CHARS,
     MAX_PAGE,
+    MAX_TEXT_CHARS,
+    MAX_TIME_CHARS,
     CallQuery,
     Cursor,
     QueryError,
@@ -60,6 +76,7 @@ from toolledger.domain.queries import (
     parse_statuses,
 )
 from toolledger.domain.redaction import Redactor
+from toolledger.domain.results import TOOL_ERROR_MAX_CHARS
 from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import (
     CallNotFoundError,
@@ -82,36 +99,79 @@ MAX_BODY_BYTES = 64 * 1024
 """A resolution's text is the largest body: a tool output an operator types or pastes."""
 MAX_DETAIL_CHARS = 500
 """An error message quotes what was sent; a 10 KB filter is not echoed back whole."""
+MAX_REFERENCE_CHARS = 3 * MAX_FILTER_CHARS + 2
 READY_TIMEOUT_SECONDS = 5.0
 WEB_DIRECTORY = Path(__file__).with_name("web")
 _PAGE_POLICY = (
     b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     b"img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
 )
-OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/metrics", "/", "/ui", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
-)
-"""Served without a token: probes, metrics, the API's own description and the static page
-(which asks for a token and sends it with every data request)."""
+_DATA_POLICY = b"default-src 'none'; frame-ancestors 'none'"
+"""Everything else is data: a browser shown it runs and loads nothing."""
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/", "/ui", "/openapi.json", *DOCS_PATHS})
+"""Served without an API token: probes, metrics (unless a metrics token closes them), the
+API's own description and docs, and the static page (which asks for a token and sends it
+with every data request)."""
+NO_NUL = "^[^\\u0000]*$"
+"""A JSON Schema pattern: PostgreSQL cannot store NUL, so no filter may hold one."""
 
 
 # ------------------------------------------------------------------------------ bodies
 
 
-class ResolveRequest(BaseModel):
+class ErrorDetail(BaseModel):
+    detail: str = Field(description="What was wrong, in one line.")
+
+
+def _unicode(text: str) -> str:
+    # JSON may spell a lone surrogate (\ud800); Python then holds text that no database
+    # driver, JSON encoder or Agents API can send on.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode text (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+class _ResolveBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: ResolutionKind = Field(
-        description="output: it happened, this is its output; error: it did not, the model gets "
-        "this message; rerun: running it again is safe."
+    reason: Text = Field(
+        min_length=1,
+        max_length=MAX_REASON_CHARS,
+        # The pattern is documentation: Resolution refuses a blank reason, with its own message.
+        json_schema_extra={"pattern": REASON_PATTERN},
+        description="Why, not blank: recorded in the call's timeline with your token's name.",
     )
-    text: str | None = Field(default=None, description="The output or the error message; none for rerun.")
-    reason: str = Field(description="Why: recorded in the call's timeline with your token's name.")
+
+
+class OutputResolution(_ResolveBody):
+    kind: Literal["output"] = Field(description="It happened: this is its output.")
+    text: Text = Field(description="The output the model is given, as the tool would have returned it.")
+
+
+class ErrorResolution(_ResolveBody):
+    kind: Literal["error"] = Field(description="It did not happen (or failed): the model gets this message.")
+    text: Text = Field(min_length=1, max_length=TOOL_ERROR_MAX_CHARS, description="The error message.")
+
+
+class RerunResolution(_ResolveBody):
+    kind: Literal["rerun"] = Field(description="Running it again is safe: it is handed back to a handler.")
+
+
+ResolveRequest = Annotated[OutputResolution | ErrorResolution | RerunResolution, Field(discriminator="kind")]
 
 
 class ResolveResponse(BaseModel):
-    action: str = Field(
-        description="submitted, abandoned, submit_failed, not_sent, rerun or left_for_service."
+    action: Literal["submitted", "abandoned", "submit_failed", "not_sent", "rerun", "left_for_service"] = (
+        Field(
+            description="submitted; abandoned (the session no longer awaits it); submit_failed (left for "
+            "the reconciler); not_sent (no Agents API configured here: `serve` submits it); rerun (ran "
+            "again here and submitted); left_for_service (`serve` runs it again)."
+        )
     )
     call: CallView
 
@@ -119,7 +179,16 @@ class ResolveResponse(BaseModel):
 class UnwatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(min_length=1, max_length=2000, description="Recorded on the session.")
+    reason: Text = Field(min_length=1, max_length=2000, description="Recorded on the session.")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "unavailable"]
+    detail: str | None = Field(default=None, description="Why not ready.")
 
 
 # ------------------------------------------------------------------------------- state
@@ -152,7 +221,11 @@ def create_app(
     registry: ToolRegistry | None = None,
 ) -> FastAPI:
     """The audit API over ``settings``' ledger; refuses (ApiConfigurationError) to be built for
-    a non-loopback ``api_host`` with no token configured."""
+    a non-loopback ``api_host`` with no token configured, with a weak or shared token, or with
+    /docs asked for and Swagger UI's files not installed.
+
+    Without ``gateway``, resolutions are submitted only to an Agents API that ``settings``
+    configure (``configured_gateway``)."""
     tokens = TokenRing.from_settings(settings)
     ensure_safe_exposure(tokens, settings.api_host)
     if tokens.empty:
@@ -161,28 +234,26 @@ def create_app(
             "(set TOOLLEDGER_API_TOKENS to require one)"
         )
     redactor = api_redactor(settings)
+    app = FastAPI(
+        title="toolledger audit API",
+        version=__version__,
+        description="List, show and resolve the ledger's tool calls; list and watch sessions. "
+        'Send `Authorization: Bearer <token>`. Every error is `{"detail": "..."}`; any request '
+        "the API cannot use is 400.",
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
+    )
+    if settings.api_docs:
+        add_docs_routes(app)
     owns_engine = engine is None
     if engine is None:
         engine = create_engine(settings.database_url, **_pool_options(settings))
     owns_gateway = gateway is None
     if gateway is None:
-        key = settings.openai_api_key
-        gateway = AgentsGateway.connect(
-            api_key=key.get_secret_value() if key else None,
-            base_url=settings.openai_base_url,
-            attempts=settings.submit_attempts,
-        )
+        gateway = configured_gateway(settings)
     service = AuditService(engine, settings, redactor=redactor, gateway=gateway, registry=registry)
-
-    app = FastAPI(
-        title="toolledger audit API",
-        version=__version__,
-        description="List, show and resolve the ledger's tool calls; list and watch sessions. "
-        "Send `Authorization: Bearer <token>`.",
-        lifespan=_lifespan,
-        max_body_size=MAX_BODY_BYTES,
-        redoc_url=None,
-    )
     app.state.tokens = tokens
     app.state.api = ApiState(
         service=service,
@@ -193,17 +264,25 @@ def create_app(
         owns_gateway=owns_gateway,
     )
     _add_error_handlers(app)
-    # Added last, so outermost: nothing escapes it with a traceback.
+    # Added last, so outermost: nothing escapes the boundary with a traceback. The body limit
+    # is inside it and answers for itself: an oversized body is the client's doing.
+    app.add_middleware(_BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(_SecurityHeaders)
     app.add_middleware(_ErrorBoundary, redactor=redactor)
     _add_routes(app)
     if WEB_DIRECTORY.is_dir():
         app.mount("/ui", StaticFiles(directory=WEB_DIRECTORY, html=True), name="ui")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 
 def api_redactor(settings: Settings) -> Redactor:
-    """The configured redaction, which masks the API tokens too: none may reach a log line."""
+    """The configured redaction, which masks the API tokens (and the metrics token) too: none
+    may reach a log line."""
+    if settings.metrics_token is not None:
+        # Masked like one more token: configured_redactor masks every token it is given.
+        extra = {**settings.api_read_tokens, "\x00metrics": settings.metrics_token}
+        settings = settings.model_copy(update={"api_read_tokens": extra})
     return configured_redactor(settings)
 
 
@@ -235,49 +314,155 @@ Audit = Annotated[AuditService, Depends(_audit)]
 
 # ------------------------------------------------------------------------------ routes
 
+_MEANINGS = {
+    400: "A filter, reference or body the API cannot use; the detail says which and why.",
+    401: "No bearer token, or not a configured one.",
+    403: "A read-only token where the ledger would change; or, with no token configured, a request "
+    "not addressed to this machine's loopback address.",
+    404: "Nothing by that name in the ledger.",
+    405: "The path ends in /resolve, which takes POST only.",
+    409: "The reference names several calls (give SESSION/TURN/CALL), or the call is not unknown "
+    "(only an unknown outcome can be resolved), or it changed meanwhile.",
+    413: f"The body is over {MAX_BODY_BYTES // 1024} KiB.",
+    503: "The ledger database is unavailable (or its schema is not current): try again.",
+}
+_EVERY_API_ROUTE = (400, 401, 403, 503)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorDetail, "description": _MEANINGS[code]} for code in codes}
+
 
 def _add_routes(app: FastAPI) -> None:
     """The route table, flat on the app: ``app.routes`` is all of it (a test walks it)."""
-    data: list[tuple[str, str, Callable[..., Any], Any, str]] = [
-        ("GET", "/api/calls", list_calls, CallPage, "List calls, newest first, a page at a time"),
-        ("POST", "/api/calls/{ref:path}/resolve", resolve_call, ResolveResponse, "Settle an unknown call"),
-        ("GET", "/api/calls/{ref:path}", show_call, CallDetail, "A call and its timeline"),
-        ("GET", "/api/sessions", list_sessions, list[SessionView], "Sessions, newest first"),
-        ("GET", "/api/sessions/{session_id}", show_session, SessionView, "A session and its calls by status"),
-        ("POST", "/api/sessions/{session_id}/watch", watch_session, SessionView, "Have `serve` follow it"),
-        ("POST", "/api/sessions/{session_id}/unwatch", unwatch_session, SessionView, "Stop following it"),
+    data: list[tuple[str, str, Callable[..., Any], Any, str, tuple[int, ...]]] = [
+        ("GET", "/api/calls", list_calls, CallPage, "List calls, newest first, a page at a time", ()),
+        (
+            "POST",
+            "/api/calls/{ref:path}/resolve",
+            resolve_call,
+            ResolveResponse,
+            "Settle an unknown call",
+            (404, 409, 413),
+        ),
+        ("GET", "/api/calls/{ref:path}", show_call, CallDetail, "A call and its timeline", (404, 405, 409)),
+        ("GET", "/api/sessions", list_sessions, list[SessionView], "Sessions, newest first", ()),
+        (
+            "GET",
+            "/api/sessions/{session_id}",
+            show_session,
+            SessionView,
+            "A session and its calls by status",
+            (404,),
+        ),
+        (
+            "POST",
+            "/api/sessions/{session_id}/watch",
+            watch_session,
+            SessionView,
+            "Have `serve` follow it",
+            (),
+        ),
+        (
+            "POST",
+            "/api/sessions/{session_id}/unwatch",
+            unwatch_session,
+            SessionView,
+            "Stop following it",
+            (404, 413),
+        ),
     ]
-    for method, path, endpoint, model, summary in data:
-        app.add_api_route(path, endpoint, methods=[method], response_model=model, summary=summary)
-    app.add_api_route("/healthz", healthz, methods=["GET"], summary="The process answers (no database check)")
+    for method, path, endpoint, model, summary, errors in data:
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            response_model=model,
+            summary=summary,
+            responses=_errors(*sorted({*_EVERY_API_ROUTE, *errors})),
+            dependencies=[Depends(_each_given_once)],
+        )
     app.add_api_route(
-        "/readyz", readyz, methods=["GET"], summary="The ledger database answers and its schema is current"
+        "/healthz",
+        healthz,
+        methods=["GET"],
+        response_model=Health,
+        summary="The process answers (no database check)",
     )
     app.add_api_route(
-        "/metrics", metrics, methods=["GET"], summary="Prometheus metrics", response_class=Response
+        "/readyz",
+        readyz,
+        methods=["GET"],
+        response_model=Readiness,
+        summary="The ledger database answers and its schema is current",
+        responses={503: {"model": Readiness, "description": "Not ready: the detail says why."}},
+    )
+    app.add_api_route(
+        "/metrics",
+        metrics,
+        methods=["GET"],
+        summary="Prometheus metrics",
+        description="Needs a bearer token (the metrics token or any API token) when "
+        "TOOLLEDGER_METRICS_TOKEN is set.",
+        response_class=Response,
+        dependencies=[Depends(metrics_reader)],
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}, "description": "Metrics"},
+            **_errors(401),
+        },
     )
     app.add_api_route("/", home, methods=["GET"], include_in_schema=False)
+
+
+_ToolName = Annotated[str, Field(max_length=MAX_FILTER_CHARS, json_schema_extra={"pattern": NO_NUL})]
+
+
+def _text_filter(description: str, max_length: int = MAX_FILTER_CHARS) -> Any:
+    return Query(description=description, max_length=max_length, json_schema_extra={"pattern": NO_NUL})
 
 
 async def list_calls(
     _principal: Reader,
     audit: Audit,
-    session_id: str | None = None,
-    turn_id: str | None = None,
-    tool: Annotated[list[str] | None, Query(description="Tool name (repeatable).")] = None,
-    status: Annotated[list[str] | None, Query(description="Status (repeatable, or comma-separated).")] = None,
-    effect_class: Annotated[list[str] | None, Query(description="Effect class (repeatable).")] = None,
-    since: Annotated[
-        str | None, Query(description="Recorded at or after: ISO 8601, or a duration ago (24h).")
+    session_id: Annotated[str | None, _text_filter("Session id; empty: any.")] = None,
+    turn_id: Annotated[str | None, _text_filter("Turn id; empty: any.")] = None,
+    tool: Annotated[list[_ToolName] | None, Query(description="Tool name (repeatable).")] = None,
+    status: Annotated[
+        list[str] | None,
+        Query(
+            description="Status (repeatable, or comma-separated): "
+            + ", ".join(status.value for status in CallStatus)
+            + "."
+        ),
     ] = None,
-    until: Annotated[str | None, Query(description="Recorded before: ISO 8601, or a duration ago.")] = None,
+    effect_class: Annotated[
+        list[str] | None, Query(description="Effect class (repeatable, or comma-separated).")
+    ] = None,
+    since: Annotated[
+        str | None,
+        Query(
+            description="Recorded at or after: ISO 8601, or a duration ago (24h; s, m, h, d or w, "
+            "at most 100000 of them).",
+            max_length=MAX_TIME_CHARS,
+        ),
+    ] = None,
+    until: Annotated[
+        str | None,
+        Query(description="Recorded before: ISO 8601, or a duration ago.", max_length=MAX_TIME_CHARS),
+    ] = None,
     unknown_only: Annotated[bool, Query(description="Only calls waiting for an operator.")] = False,
     q: Annotated[
-        str | None, Query(description="Text in the tool name or the ids (case-insensitive).")
+        str | None,
+        _text_filter("Text in the tool name or the ids (case-insensitive).", max_length=MAX_TEXT_CHARS),
     ] = None,
-    sort: Annotated[str, Query(description="created, finished, tool or status; '-' descends.")] = "-created",
-    limit: Annotated[int, Query(description=f"1 to {MAX_PAGE}.")] = DEFAULT_PAGE,
-    cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
+    sort: Annotated[
+        str, Query(description="created, finished, tool or status; '-' descends.", max_length=10)
+    ] = "-created",
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"1 to {MAX_PAGE}.")] = DEFAULT_PAGE,
+    cursor: Annotated[
+        str | None,
+        Query(description="next_cursor of the previous page, unchanged (anything else is 400)."),
+    ] = None,
 ) -> CallPage:
     statuses = parse_statuses(_present(status))
     if unknown_only:
@@ -304,40 +489,80 @@ async def list_calls(
     return await audit.list_calls(query)
 
 
-async def resolve_call(ref: str, body: ResolveRequest, principal: Writer, audit: Audit) -> ResolveResponse:
-    resolution = Resolution(kind=body.kind, operator=principal.name, reason=body.reason, text=body.text)
+_Reference = Annotated[
+    str,
+    PathParameter(
+        description="The call's id (tl_..., or a unique prefix of it), its call id, or SESSION/TURN/CALL.",
+        min_length=1,
+        max_length=MAX_REFERENCE_CHARS,
+        json_schema_extra={"pattern": NO_NUL},
+    ),
+]
+_SessionId = Annotated[
+    str,
+    PathParameter(min_length=1, max_length=MAX_FILTER_CHARS, json_schema_extra={"pattern": NO_NUL}),
+]
+
+
+async def resolve_call(
+    ref: _Reference, body: Annotated[ResolveRequest, Body()], principal: Writer, audit: Audit
+) -> ResolveResponse:
+    resolution = Resolution(
+        kind=ResolutionKind(body.kind),
+        operator=principal.name,
+        reason=body.reason,
+        text=None if isinstance(body, RerunResolution) else body.text,
+    )
     report = await audit.resolve(ref, resolution)
-    return ResolveResponse(action=report.action, call=report.call)
+    return ResolveResponse.model_validate({"action": report.action, "call": report.call})
 
 
-async def show_call(ref: str, _principal: Reader, audit: Audit) -> CallDetail:
+async def show_call(ref: _Reference, _principal: Reader, audit: Audit) -> CallDetail:
+    if ref.endswith("/resolve"):
+        # Routing gives a GET of .../resolve to this route (its path swallows slashes): it is
+        # the resolve route asked with the wrong method, not a reference to show.
+        raise HTTPException(405, "resolve takes POST", headers={"Allow": "POST"})
     return await audit.show(ref)
 
 
 async def list_sessions(
-    _principal: Reader, audit: Audit, watched: bool | None = None, limit: int = 100
+    _principal: Reader,
+    audit: Audit,
+    watched: Annotated[bool | None, Query(description="Only watched (true) or unwatched (false).")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"1 to {MAX_PAGE}.")] = 100,
 ) -> list[SessionView]:
-    if not 1 <= limit <= MAX_PAGE:
-        raise QueryError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
     return await audit.session_list(watched=watched, limit=limit)
 
 
-async def show_session(session_id: str, _principal: Reader, audit: Audit) -> SessionView:
+async def show_session(session_id: _SessionId, _principal: Reader, audit: Audit) -> SessionView:
     return await audit.session(_session_id(session_id))
 
 
-async def watch_session(session_id: str, principal: Writer, audit: Audit) -> SessionView:
+async def watch_session(session_id: _SessionId, principal: Writer, audit: Audit) -> SessionView:
     await audit.watch(_session_id(session_id))
     log.info("session %r watched by %s", session_id, principal.name)
     return await audit.session(session_id)
 
 
 async def unwatch_session(
-    session_id: str, body: UnwatchRequest, principal: Writer, audit: Audit
+    session_id: _SessionId, body: UnwatchRequest, principal: Writer, audit: Audit
 ) -> SessionView:
     await audit.unwatch(_session_id(session_id), f"{body.reason} (by {principal.name})")
     log.info("session %r unwatched by %s", session_id, principal.name)
     return await audit.session(session_id)
+
+
+REPEATABLE = frozenset({"tool", "status", "effect_class"})
+"""The query parameters that take several values; any other is given once."""
+
+
+async def _each_given_once(_principal: Reader, request: Request) -> None:
+    """``q=a&q=b`` would otherwise search for b alone, silently: which was meant is unknown.
+    (After authentication: an anonymous caller learns nothing about the parameters.)"""
+    given = Counter(name for name, _ in request.query_params.multi_items())
+    repeated = sorted(name for name, count in given.items() if count > 1 and name not in REPEATABLE)
+    if repeated:
+        raise QueryError(f"{', '.join(repeated)}: give each only once")
 
 
 def _present(values: list[str] | None) -> list[str]:
@@ -362,8 +587,8 @@ def _session_id(session_id: str) -> str:
 # ------------------------------------------------------------------------------ probes
 
 
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz() -> Health:
+    return Health(status="ok")
 
 
 async def readyz(request: Request) -> JSONResponse:
@@ -438,6 +663,35 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+# ------------------------------------------------------------------------------ openapi
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, made to say what this app does: no 422 anywhere (a request the
+    API cannot use is 400, declared on every route that takes input), and security only
+    where this app's configuration enforces it."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    document = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    tokens: TokenRing = app.state.tokens
+    for path, operations in document.get("paths", {}).items():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+            enforced = not tokens.empty if path.startswith("/api/") else tokens.metrics_closed
+            if not enforced:
+                # With no API token configured the API serves loopback only, to anyone; with
+                # no metrics token /metrics is open: no credential is asked for.
+                operation.pop("security", None)
+                operation.get("responses", {}).pop("401", None)
+    schemas = document.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    app.openapi_schema = document
+    return document
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -448,7 +702,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
         return handler
 
-    app.add_exception_handler(QueryError, answer(422))
+    app.add_exception_handler(QueryError, answer(400))
     app.add_exception_handler(CallNotFoundError, answer(404))
     for conflict in (AmbiguousCallError, NotResolvableError, TransitionError, FencedError):
         app.add_exception_handler(conflict, answer(409))
@@ -458,13 +712,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 async def _invalid_request(_request: Request, error: Exception) -> JSONResponse:
-    """One line per problem, naming the field; the value sent is not echoed."""
+    """400, like every request the API cannot use: one line per problem, naming the field;
+    the value sent is not echoed."""
     assert isinstance(error, RequestValidationError)
     problems = []
     for problem in error.errors():
-        where = ".".join(str(part) for part in problem.get("loc", ()) if part not in ("query", "body"))
+        where = ".".join(
+            str(part) for part in problem.get("loc", ()) if part not in ("query", "body", "path")
+        )
         problems.append(f"{where or 'request'}: {problem.get('msg', 'invalid')}")
-    return JSONResponse({"detail": _detail("; ".join(problems))}, status_code=422)
+    return JSONResponse({"detail": _detail("; ".join(problems))}, status_code=400)
 
 
 async def _database_error(request: Request, error: Exception) -> JSONResponse:
@@ -488,11 +745,53 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` once a streamed body passes the limit: FastAPI passes an
+    HTTPException from reading the body on to its handler, which answers 413 in our shape."""
+
+    def __init__(self) -> None:
+        super().__init__(413, f"the request body is over {MAX_BODY_BYTES // 1024} KiB")
+
+
+class _BodyLimit:
+    """Bodies over ``max_bytes`` get a 413: refused before the app runs when Content-Length
+    says so, or as soon as a streamed body passes the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            too_large = _BodyTooLarge()
+            await JSONResponse({"detail": too_large.detail}, status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        await self.app(scope, limited, send)
+
+
 class _ErrorBoundary:
     """Any exception left becomes a bare 500; its traceback is logged, redacted.
 
     Starlette's own handler would send the same 500 and then re-raise, so that the server
-    logs the exception again, unredacted: it never gets that far.
+    logs the exception again, unredacted: it never gets that far. A client error that gets
+    this far (an HTTPException under 500) is answered as one and logged as nothing worse
+    than what it is: a client's mistake, which anyone without a token could repeat at will,
+    must not fill the log with tracebacks.
     """
 
     def __init__(self, app: ASGIApp, redactor: Redactor) -> None:
@@ -512,6 +811,17 @@ class _ErrorBoundary:
 
         try:
             await self.app(scope, receive, tracked)
+        except StarletteHTTPException as error:
+            if error.status_code >= 500:
+                raise
+            log.info("%s %s: %s %s", scope.get("method"), scope.get("path"), error.status_code, error.detail)
+            if not started:
+                response = JSONResponse(
+                    {"detail": _detail(str(error.detail))},
+                    status_code=error.status_code,
+                    headers=error.headers,
+                )
+                await response(scope, receive, send)
         except Exception as error:
             text = self.redactor.text("".join(traceback.format_exception(error)))
             log.error("%s %s failed:\n%s", scope.get("method"), scope.get("path"), text)
@@ -521,7 +831,8 @@ class _ErrorBoundary:
 
 
 class _SecurityHeaders:
-    """Audit data is not cached; nothing is sniffed, framed or referred elsewhere."""
+    """Audit data is not cached; nothing is sniffed, framed or referred elsewhere; no page
+    loads anything from another origin."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -538,17 +849,24 @@ class _SecurityHeaders:
                     (b"x-content-type-options", b"nosniff"),
                     (b"x-frame-options", b"DENY"),
                     (b"referrer-policy", b"no-referrer"),
+                    (b"content-security-policy", _policy(scope["path"])),
                 ]
                 if scope["path"].startswith("/api/"):
                     headers.append((b"cache-control", b"no-store"))
-                if scope["path"].startswith("/ui"):
-                    # The page's own files only: a value that slipped past textContent still
-                    # could not run a script or send data anywhere else.
-                    headers.append((b"content-security-policy", _PAGE_POLICY))
                 message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+def _policy(path: str) -> bytes:
+    if path.startswith("/ui"):
+        # The page's own files only: a value that slipped past textContent still could not
+        # run a script or send data anywhere else.
+        return _PAGE_POLICY
+    if path == "/docs" or path.startswith("/docs/"):
+        return DOCS_POLICY
+    return _DATA_POLICY
 
 
 # ----------------------------------------------------------------------------- serving
