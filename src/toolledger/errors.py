@@ -76,8 +76,9 @@ class AgentsUnavailableError(ToolLedgerError):
 
 
 class AgentsAuthError(ToolLedgerError):
-    """The Agents API refused toolledger's credentials (401 or 403): nothing it sends or
-    reads will work until they are fixed, so this is fatal, not a dropped stream to retry."""
+    """The Agents API refused toolledger's credentials (401; or 403 to the start-up check,
+    before any session is named): nothing it sends or reads will work until they are fixed,
+    so this is fatal, not a dropped stream to retry."""
 
     code = "agents_auth"
 

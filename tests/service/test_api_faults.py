@@ -50,7 +50,24 @@ async def test_transient_answers__end_in_one_accepted_result_with_one_key_and_bo
         assert took >= retry_after * count, "Retry-After was honoured"
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 422])
+async def test_credentials_refused_on_a_submission__the_service_fails_and_the_result_is_kept(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    """A 401 says the key itself is refused: nothing will work until it is fixed, so the
+    service stops saying so, instead of recording a refusal per call and retrying forever."""
+    [session_id] = await start_sessions(emulator, 1, ONE_CALL)
+    emulator.control.fail_submissions(1000, status=401, session_id=session_id)
+    async with running_service(sqlite_url, emulator) as service:
+        await service.watch(session_id)
+        await asyncio.wait_for(service.failed.wait(), timeout=10.0)
+        assert service.failure is not None
+        assert "refused the credentials (HTTP 401" in str(service.failure)
+    [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+    assert call.status is CallStatus.SUCCEEDED, "the result is kept for the next start"
+    assert call.last_submission_error is None, "not the call's refusal"
+
+
+@pytest.mark.parametrize("status", [400, 403, 422])
 async def test_refusals__are_not_retried_in_a_tight_loop_and_the_result_waits(
     status: int, sqlite_url: str, emulator: EmulatorServer, effects_file: Path
 ) -> None:

@@ -136,7 +136,8 @@ class AgentsGateway:
         AgentsUnavailableError when the API cannot be reached."""
         try:
             await self.client.beta.agents.sessions.list(limit=1)
-        except _REFUSED_CREDENTIALS as error:
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as error:
+            # Refused before any session is named: the key cannot use the Agents API at all.
             raise _auth_error(error) from error
         except openai.OpenAIError as error:
             raise AgentsUnavailableError(describe(error)) from error
@@ -193,7 +194,9 @@ class AgentsGateway:
         return found
 
 
-_REFUSED_CREDENTIALS = (openai.AuthenticationError, openai.PermissionDeniedError)
+_REFUSED_CREDENTIALS = (openai.AuthenticationError,)
+"""401: the key itself is refused, whatever it is used for. (A 403 about one session is that
+session's refusal: a submission records it and is tried again later, a stream reconnects.)"""
 
 
 def _auth_error(error: openai.APIStatusError) -> AgentsAuthError:
