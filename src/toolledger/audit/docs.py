@@ -71,7 +71,7 @@ def assets_directory() -> Traversable:
     if directory is None or not all((directory / name).is_file() for name in ASSETS):
         raise ApiConfigurationError(
             "TOOLLEDGER_API_DOCS serves Swagger UI from the fastapi-offline package, never a CDN: "
-            "`pip install fastapi-offline`, or leave /docs off (the document is at /openapi.json)"
+            "`pip install 'toolledger[docs]'`, or leave /docs off (the document is at /openapi.json)"
         )
     return directory
 
