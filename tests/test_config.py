@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from toolledger.settings import Settings
 from toolledger.settings_reference import options, reference_markdown
 
@@ -76,12 +78,66 @@ def test_config__bad_values__exit_2_naming_the_variable_without_echoing_the_valu
     refused = _config(TOOLLEDGER_LEASE_SECONDS="-1", TOOLLEDGER_API_TOKENS='{"alice": 7}')
     assert refused.returncode == 2
     assert "TOOLLEDGER_LEASE_SECONDS: Input should be greater than 0" in refused.stderr
-    assert "TOOLLEDGER_API_TOKENS_ALICE" in refused.stderr
+    assert "TOOLLEDGER_API_TOKENS (alice): Input should be a valid string" in refused.stderr
     assert "-1" not in refused.stderr
 
     not_json = _config(TOOLLEDGER_API_TOKENS='{"bob": "config-canary-token-0004"')
     assert not_json.returncode == 2
-    assert "api_tokens" in not_json.stderr
+    assert "TOOLLEDGER_API_TOKENS: not valid JSON" in not_json.stderr
+    assert "api_tokens" not in not_json.stderr, "the variable, not the internal field"
     assert "lists and maps are JSON" in not_json.stderr
     assert "config-canary-token-0004" not in not_json.stderr
     assert "Traceback" not in not_json.stderr
+
+
+def _toolledger(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "toolledger.cli", *args],
+        env={**env, **environment},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("nonsense", "not a database URL (or its port is not a number)"),
+        ("postgresql://u:pw-s3cret@host:notaport/db", "not a database URL (or its port is not a number)"),
+        ("mysql://u:pw-s3cret@h/db", "mysql is not supported: the ledger lives in SQLite or PostgreSQL"),
+        ("postgresql+asyncpg://u:pw-s3cret@h/db", "the asyncpg driver is not supported"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("config",),
+        ("status",),
+        ("calls", "list"),
+        ("migrate",),
+        ("serve", "--tools", "tests.service.tools:registry"),
+    ],
+)
+def test_a_database_url_no_command_can_open__one_line_naming_the_variable(
+    url: str, reason: str, command: tuple[str, ...]
+) -> None:
+    done = _toolledger(
+        *command, TOOLLEDGER_DATABASE_URL=url, TOOLLEDGER_OPENAI_BASE_URL="http://127.0.0.1:1/v1"
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert f"TOOLLEDGER_DATABASE_URL: {reason}" in done.stderr
+    assert "Traceback" not in output
+    assert "s3cret" not in output, "the URL (its password) is never echoed"
+
+
+def test_a_map_that_is_not_json__named_by_its_variable() -> None:
+    done = _config(TOOLLEDGER_API_TOKENS="alice:abc")
+    assert done.returncode == 2
+    assert "TOOLLEDGER_API_TOKENS: not valid JSON" in done.stderr
+    assert "api_tokens" not in done.stderr, "the variable, not the internal field"
+    assert "alice:abc" not in done.stderr, "the value is never echoed"

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS
 
@@ -142,9 +144,36 @@ class Settings(BaseSettings):
             ("sqlite://", "sqlite+aiosqlite://"),
         ):
             if url.startswith(plain):
-                return driver + url[len(plain) :]
+                url = driver + url[len(plain) :]
+                break
+        _check_database_url(url)
         return url
 
     @property
     def heartbeat_interval(self) -> float:
         return self.heartbeat_seconds or self.lease_seconds / 3
+
+
+SUPPORTED_DATABASES = {"sqlite": "aiosqlite", "postgresql": "psycopg"}
+DATABASE_URL_FORMS = "sqlite:///path/to/ledger.sqlite3 or postgresql://user:password@host:5432/database"
+
+
+def _check_database_url(url: str) -> None:
+    """Refuse what no command could open, saying why, before anything tries to: the messages
+    never quote the URL (it may hold a password)."""
+    try:
+        parsed = make_url(url)
+        parsed.port  # noqa: B018 - a port that is not a number is refused here, not later
+    except (ArgumentError, ValueError):
+        raise ValueError(
+            f"not a database URL (or its port is not a number): use {DATABASE_URL_FORMS}"
+        ) from None
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    if backend not in SUPPORTED_DATABASES:
+        raise ValueError(
+            f"{backend} is not supported: the ledger lives in SQLite or PostgreSQL ({DATABASE_URL_FORMS})"
+        )
+    if driver != SUPPORTED_DATABASES[backend]:
+        raise ValueError(
+            f"the {driver} driver is not supported: toolledger uses {backend}+{SUPPORTED_DATABASES[backend]}"
+        )

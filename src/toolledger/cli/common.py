@@ -4,6 +4,7 @@ coroutine with one-line errors, logging, loading the application's tools."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,14 +34,23 @@ def settings_from(**overrides: Any) -> Settings:
     except ValidationError as error:
         # Each problem by its variable, without the value given: it may be a token or a key.
         problems = [
-            f"TOOLLEDGER_{'_'.join(str(part) for part in item['loc']).upper()}: {item['msg']}"
+            # The variable, then where inside its value (a map's key): TOOLLEDGER_API_TOKENS
+            # (alice), not an internal field name or a variable that does not exist.
+            f"TOOLLEDGER_{str(item['loc'][0]).upper()}"
+            + (f" ({'.'.join(str(part) for part in item['loc'][1:])})" if len(item["loc"]) > 1 else "")
+            + ": "
+            + item["msg"].removeprefix("Value error, ")
             for item in error.errors(include_url=False, include_input=False, include_context=False)
         ]
         raise click.UsageError("invalid configuration:\n  " + "\n  ".join(problems)) from None
     except SettingsError as error:
-        # "error parsing value for field "api_tokens" ...": a list or map that is not JSON.
+        # 'error parsing value for field "api_tokens" from source ...': a list or map that is
+        # not JSON. Said by the variable's name, as every other problem is.
+        field = re.search(r'field "(\w+)"', str(error))
+        variable = f"TOOLLEDGER_{field.group(1).upper()}" if field else "a list or map option"
+        example = '{"name": "value"}'
         raise click.UsageError(
-            f"invalid configuration: {first_line(error)} (lists and maps are JSON)"
+            f"invalid configuration:\n  {variable}: not valid JSON (lists and maps are JSON, e.g. {example})"
         ) from None
 
 

@@ -55,7 +55,9 @@ def load_registry(reference: str) -> ToolRegistry:
                 f"calling {reference}() raised {_described(error)}{_where(error)}"
             ) from None
     if not isinstance(found, ToolRegistry):
-        raise ToolsNotFoundError(f"{reference} is a {type(found).__name__}, not a toolledger ToolRegistry")
+        raise ToolsNotFoundError(
+            f"{reference} is not a toolledger ToolRegistry (it is of type {type(found).__name__})"
+        )
     return found
 
 
