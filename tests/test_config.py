@@ -141,3 +141,31 @@ def test_a_map_that_is_not_json__named_by_its_variable() -> None:
     assert "TOOLLEDGER_API_TOKENS: not valid JSON" in done.stderr
     assert "api_tokens" not in done.stderr, "the variable, not the internal field"
     assert "alice:abc" not in done.stderr, "the value is never echoed"
+
+
+@pytest.mark.parametrize("command", [("status",), ("sessions", "list"), ("config",)])
+def test_commands_that_never_talk_to_the_agents_api__do_not_import_openai(
+    command: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Importing the SDK costs about a second at every start of a command that never uses it."""
+    probe = (
+        "import sys\n"
+        "from toolledger.cli import main\n"
+        f"main({list(command)!r}, standalone_mode=False)\n"
+        "print('openai imported' if 'openai' in sys.modules else 'openai not imported')\n"
+    )
+    ledger = tmp_path / "ledger.sqlite3"
+    migrated = _toolledger("migrate", TOOLLEDGER_DATABASE_URL=f"sqlite:///{ledger}")
+    assert migrated.returncode == 0, migrated.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "TOOLLEDGER_DATABASE_URL": f"sqlite:///{ledger}"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("openai not imported")

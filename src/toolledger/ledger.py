@@ -35,20 +35,8 @@ def default_worker_id() -> str:
 
 
 def configured_redactor(settings: Settings) -> Redactor:
-    """Redaction with the configured secret field names and the secrets toolledger holds
-    (API key, database password, audit API tokens)."""
-    tokens = (
-        *settings.api_tokens.values(),
-        *settings.api_read_tokens.values(),
-        *((settings.metrics_token,) if settings.metrics_token is not None else ()),
-    )
-    secrets = [token.get_secret_value() for token in tokens]
-    if settings.openai_api_key is not None:
-        secrets.append(settings.openai_api_key.get_secret_value())
-    password = make_url(settings.database_url).password
-    if password:
-        secrets.append(str(password))
-    return Redactor(settings.secret_fields, secrets)
+    """``settings.redactor()``: kept for the callers that import it from here."""
+    return settings.redactor()
 
 
 class ToolLedger:

@@ -9,7 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS
+from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS, Redactor
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///toolledger.sqlite3"
 
@@ -148,6 +148,22 @@ class Settings(BaseSettings):
                 break
         _check_database_url(url)
         return url
+
+    def redactor(self) -> Redactor:
+        """Redaction with the configured secret field names and the secrets toolledger holds
+        (API key, database password, audit API and metrics tokens)."""
+        tokens = (
+            *self.api_tokens.values(),
+            *self.api_read_tokens.values(),
+            *((self.metrics_token,) if self.metrics_token is not None else ()),
+        )
+        secrets = [token.get_secret_value() for token in tokens]
+        if self.openai_api_key is not None:
+            secrets.append(self.openai_api_key.get_secret_value())
+        password = make_url(self.database_url).password
+        if password:
+            secrets.append(str(password))
+        return Redactor(self.secret_fields, secrets)
 
     @property
     def heartbeat_interval(self) -> float:

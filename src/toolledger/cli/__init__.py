@@ -561,7 +561,6 @@ STATUS_CALLS_SHOWN = 20
 async def _status(settings: Settings) -> dict[str, Any]:
     from toolledger.domain.records import CallRecord
     from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER, CallStatus
-    from toolledger.ledger import configured_redactor
     from toolledger.store import migrate as migrations
     from toolledger.store.engine import create_engine
     from toolledger.store.ledger import LedgerStore
@@ -580,7 +579,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         report["schema_revision"] = revision
         report["schema_current"] = revision == migrations.head_revision(url)
     except Exception as error:
-        report["error"] = configured_redactor(settings).text(
+        report["error"] = settings.redactor().text(
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         )
         return report

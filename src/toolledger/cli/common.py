@@ -76,10 +76,9 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 
 def configure_logging(level: str, settings: Settings) -> None:
     """Every log line through one handler that masks the configured secrets."""
-    from toolledger.ledger import configured_redactor
     from toolledger.logs import configure_logging as route_logs
 
-    route_logs(level, redactor=configured_redactor(settings), log_format=settings.log_format)
+    route_logs(level, redactor=settings.redactor(), log_format=settings.log_format)
 
 
 def load_tools(reference: str | None) -> ToolRegistry:
