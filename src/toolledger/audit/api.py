@@ -24,7 +24,7 @@ import socket
 import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -60,7 +60,7 @@ from toolledger.audit.service import (
     ResolutionKind,
     configured_gateway,
 )
-from toolledger.audit.views import CallDetail, CallPage, CallView, SessionView
+from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, SessionView
 from toolledger.domain.queries import (
     DEFAULT_PAGE,
     MAX_FILTER_CHARS,
@@ -72,6 +72,7 @@ from toolledger.domain.queries import (
     QueryError,
     parse_effect_classes,
     parse_moment,
+    parse_outcomes,
     parse_sort,
     parse_statuses,
 )
@@ -338,6 +339,14 @@ def _add_routes(app: FastAPI) -> None:
     data: list[tuple[str, str, Callable[..., Any], Any, str, tuple[int, ...]]] = [
         ("GET", "/api/calls", list_calls, CallPage, "List calls, newest first, a page at a time", ()),
         (
+            "GET",
+            "/api/counts",
+            count_calls,
+            CallCountsView,
+            "Count the calls the filters match, by status and by outcome",
+            (),
+        ),
+        (
             "POST",
             "/api/calls/{ref:path}/resolve",
             resolve_call,
@@ -421,9 +430,7 @@ def _text_filter(description: str, max_length: int = MAX_FILTER_CHARS) -> Any:
     return Query(description=description, max_length=max_length, json_schema_extra={"pattern": NO_NUL})
 
 
-async def list_calls(
-    _principal: Reader,
-    audit: Audit,
+async def call_filters(
     session_id: Annotated[str | None, _text_filter("Session id; empty: any.")] = None,
     turn_id: Annotated[str | None, _text_filter("Turn id; empty: any.")] = None,
     tool: Annotated[list[_ToolName] | None, Query(description="Tool name (repeatable).")] = None,
@@ -433,6 +440,13 @@ async def list_calls(
             description="Status (repeatable, or comma-separated): "
             + ", ".join(status.value for status in CallStatus)
             + "."
+        ),
+    ] = None,
+    outcome: Annotated[
+        list[str] | None,
+        Query(
+            description="Outcome (repeatable, or comma-separated): succeeded or failed, whatever the "
+            "status (a failure stays failed once submitted)."
         ),
     ] = None,
     effect_class: Annotated[
@@ -455,6 +469,36 @@ async def list_calls(
         str | None,
         _text_filter("Text in the tool name or the ids (case-insensitive).", max_length=MAX_TEXT_CHARS),
     ] = None,
+) -> CallQuery | None:
+    """The filters of a listing and of its counts alike; None: they contradict each other
+    (only unknown calls, and a status that is not unknown), so nothing matches."""
+    statuses = parse_statuses(_present(status))
+    if unknown_only:
+        if statuses and CallStatus.UNKNOWN not in statuses:
+            return None
+        statuses = (CallStatus.UNKNOWN,)
+    now = datetime.now(UTC)
+    since, until = _blank_is_none(since), _blank_is_none(until)
+    return CallQuery(
+        session_id=_blank_is_none(session_id),
+        turn_id=_blank_is_none(turn_id),
+        tool_names=tuple(_present(tool)),
+        statuses=statuses,
+        outcomes=parse_outcomes(_present(outcome)),
+        effect_classes=parse_effect_classes(_present(effect_class)),
+        since=parse_moment(since, now) if since else None,
+        until=parse_moment(until, now) if until else None,
+        text=_blank_is_none(q),
+    )
+
+
+CallFilters = Annotated[CallQuery | None, Depends(call_filters)]
+
+
+async def list_calls(
+    _principal: Reader,
+    audit: Audit,
+    filters: CallFilters,
     sort: Annotated[
         str, Query(description="created, finished, tool or status; '-' descends.", max_length=10)
     ] = "-created",
@@ -464,29 +508,18 @@ async def list_calls(
         Query(description="next_cursor of the previous page, unchanged (anything else is 400)."),
     ] = None,
 ) -> CallPage:
-    statuses = parse_statuses(_present(status))
-    if unknown_only:
-        if statuses and CallStatus.UNKNOWN not in statuses:
-            return CallPage(calls=[], next_cursor=None)
-        statuses = (CallStatus.UNKNOWN,)
     sort_key, descending = parse_sort(sort)
-    now = datetime.now(UTC)
-    since, until = _blank_is_none(since), _blank_is_none(until)
-    query = CallQuery(
-        session_id=_blank_is_none(session_id),
-        turn_id=_blank_is_none(turn_id),
-        tool_names=tuple(_present(tool)),
-        statuses=statuses,
-        effect_classes=parse_effect_classes(_present(effect_class)),
-        since=parse_moment(since, now) if since else None,
-        until=parse_moment(until, now) if until else None,
-        text=_blank_is_none(q),
-        sort=sort_key,
-        descending=descending,
-        limit=limit,
-        cursor=_cursor(cursor),
-    )
+    page_cursor = _cursor(cursor)
+    if filters is None:
+        return CallPage(calls=[], next_cursor=None)
+    query = replace(filters, sort=sort_key, descending=descending, limit=limit, cursor=page_cursor)
     return await audit.list_calls(query)
+
+
+async def count_calls(_principal: Reader, audit: Audit, filters: CallFilters) -> CallCountsView:
+    if filters is None:
+        return CallCountsView(total=0, by_status={}, by_outcome={}, failed_by_stage={})
+    return await audit.counts(filters)
 
 
 _Reference = Annotated[
@@ -552,7 +585,7 @@ async def unwatch_session(
     return await audit.session(session_id)
 
 
-REPEATABLE = frozenset({"tool", "status", "effect_class"})
+REPEATABLE = frozenset({"tool", "status", "outcome", "effect_class"})
 """The query parameters that take several values; any other is given once."""
 
 

@@ -20,11 +20,13 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.audit.views import (
+    CallCountsView,
     CallDetail,
     CallPage,
     CallView,
     SessionView,
     call_view,
+    counts_view,
     event_view,
     session_view,
 )
@@ -145,6 +147,9 @@ class AuditService:
             calls=[call_view(c, self.redactor) for c in page.calls],
             next_cursor=page.next_cursor.encode() if page.next_cursor else None,
         )
+
+    async def counts(self, query: CallQuery) -> CallCountsView:
+        return counts_view(await self.store.count_by(query))
 
     async def iter_calls(self, query: CallQuery) -> AsyncIterator[CallView]:
         async for call in self.store.iter_calls(query):
@@ -267,6 +272,7 @@ CSV_COLUMNS = [
     "tool_name",
     "effect_class",
     "status",
+    "outcome",
     "attempts",
     "created_at",
     "finished_at",

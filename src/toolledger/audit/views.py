@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from toolledger.domain.queries import outcome_of
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.redaction import Redactor
-from toolledger.store.audit import SessionSummary
+from toolledger.store.audit import CallCounts, SessionSummary
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -33,6 +34,10 @@ class CallView(BaseModel):
     tool_name: str
     effect_class: str
     status: str
+    outcome: Literal["succeeded", "failed"] | None = Field(
+        description="How it ended, once it has a result (kept after submission; error_stage says "
+        "where a failure happened); null before."
+    )
     needs_operator: bool = Field(description="Outcome unknown: an operator must resolve it.")
     attempts: int
     created_at: Utc
@@ -73,6 +78,22 @@ class CallPage(BaseModel):
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last.")
 
 
+class CallCountsView(BaseModel):
+    total: int = Field(description="Calls the filters match (sort, page and cursor aside).")
+    by_status: dict[str, int]
+    by_outcome: dict[str, int] = Field(description="succeeded, failed, and none (no result yet).")
+    failed_by_stage: dict[str, int] = Field(description="Failures by error_stage.")
+
+
+def counts_view(counts: CallCounts) -> CallCountsView:
+    return CallCountsView(
+        total=counts.total,
+        by_status=counts.by_status,
+        by_outcome=counts.by_outcome,
+        failed_by_stage=counts.failed_by_stage,
+    )
+
+
 class SessionView(BaseModel):
     session_id: str
     watched: bool | None
@@ -95,6 +116,7 @@ def call_view(call: CallRecord, redactor: Redactor) -> CallView:
         tool_name=call.tool_name,
         effect_class=call.effect_class.value,
         status=call.status.value,
+        outcome=_outcome_name(call),
         needs_operator=call.status.value == "unknown",
         attempts=call.attempt_count,
         created_at=call.created_at,
@@ -112,6 +134,13 @@ def call_view(call: CallRecord, redactor: Redactor) -> CallView:
         lease_owner=call.lease_owner,
         lease_expires_at=call.lease_expires_at,
     )
+
+
+def _outcome_name(call: CallRecord) -> Literal["succeeded", "failed"] | None:
+    outcome = outcome_of(call.result, call.error_stage)
+    if outcome is None:
+        return None
+    return "failed" if outcome.value == "failed" else "succeeded"
 
 
 def event_view(event: CallEvent, redactor: Redactor) -> EventView:

@@ -382,6 +382,18 @@ def sessions_list(show_all: bool, as_json: bool, database_url: str | None) -> No
     run(_with_sessions(settings, listing))
 
 
+@sessions.command("show")
+@click.argument("session_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@database_option
+def sessions_show(session_id: str, as_json: bool, database_url: str | None) -> None:
+    """One session: watched or not (and why), who follows it under which lease, its last
+    poll, and its calls with their status and outcome."""
+    from toolledger.cli.calls import show_session
+
+    show_session(session_id, as_json=as_json, database_url=database_url)
+
+
 if TYPE_CHECKING:
     from toolledger.domain.records import SessionRecord
     from toolledger.store.sessions import SessionStore as SessionStoreT

@@ -7,6 +7,7 @@ runs one ``AuditService`` operation. Nothing is printed that the audit views did
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import getpass
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
 
 import click
 
@@ -38,9 +39,11 @@ from toolledger.domain.queries import (
     CallQuery,
     Cursor,
     QueryError,
+    SortKey,
     parse_duration,
     parse_effect_classes,
     parse_moment,
+    parse_outcomes,
     parse_sort,
     parse_statuses,
 )
@@ -51,9 +54,12 @@ if TYPE_CHECKING:
     from rich.text import Text
 
     from toolledger.audit.service import AuditService, Resolution, ResolveReport
-    from toolledger.audit.views import CallDetail, CallPage
+    from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView
+    from toolledger.domain.keys import CallKey
+    from toolledger.domain.records import SessionRecord
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.settings import Settings
+    from toolledger.store.audit import Change
 
 T = TypeVar("T")
 
@@ -79,6 +85,7 @@ class Filters:
     turn: str | None
     tools: tuple[str, ...]
     statuses: tuple[str, ...]
+    outcomes: tuple[str, ...]
     effect_classes: tuple[str, ...]
     since: str | None
     until: str | None
@@ -105,6 +112,7 @@ class Filters:
                 turn_id=self.turn,
                 tool_names=self.tools,
                 statuses=statuses,
+                outcomes=_parsed("--outcome", parse_outcomes, self.outcomes),
                 effect_classes=_parsed("--effect-class", parse_effect_classes, self.effect_classes),
                 since=None if self.since is None else _parsed("--since", parse_moment, self.since, now),
                 until=None if self.until is None else _parsed("--until", parse_moment, self.until, now),
@@ -129,6 +137,13 @@ FILTER_OPTIONS = (
         help="Only these states (repeatable or comma-separated): "
         + ", ".join(status.value for status in CallStatus)
         + ".",
+    ),
+    click.option(
+        "--outcome",
+        "outcomes",
+        multiple=True,
+        help="Only calls that ended so (repeatable or comma-separated): succeeded or failed, "
+        "submitted or not.",
     ),
     click.option(
         "--effect-class",
@@ -195,6 +210,20 @@ def _check_text(value: str | None, hint: str) -> None:
 @click.option("--cursor", default=None, help="Continue after a previous page (its next cursor).")
 @click.option("--json", "as_json", is_flag=True, help='One JSON document: {"calls": [...], "next_cursor"}.')
 @click.option("--jsonl", "as_jsonl", is_flag=True, help="One JSON call per line, streamed.")
+@click.option(
+    "--follow",
+    "-f",
+    is_flag=True,
+    help="Print the latest calls (--limit, default 10), then each call as it is recorded or "
+    "changes, until Ctrl-C. With --jsonl: one JSON call per change.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.05, 3600),
+    default=1.0,
+    show_default=True,
+    help="With --follow: seconds between two looks at the ledger.",
+)
 @database_option
 def list_calls(
     filters: Filters,
@@ -202,11 +231,25 @@ def list_calls(
     cursor: str | None,
     as_json: bool,
     as_jsonl: bool,
+    follow: bool,
+    interval: float,
     database_url: str | None,
 ) -> None:
-    """The ledger's calls, newest first: a table, or JSON for scripts."""
+    """The ledger's calls, newest first: a table, or JSON for scripts; or, with --follow, a
+    live tail of the calls as they change."""
     if as_json and as_jsonl:
         raise click.UsageError("--json and --jsonl are two formats: choose one")
+    if follow:
+        if as_json or cursor is not None:
+            raise click.UsageError("--follow prints calls as they change: use it without --json or --cursor")
+        query = filters.query(limit=limit or FOLLOW_BACKLOG)
+        settings = settings_from(database_url=database_url)
+        try:
+            execute(_follow(settings, query, interval=interval, as_jsonl=as_jsonl))
+        except KeyboardInterrupt:
+            # Ctrl-C is how a tail ends: not an error, and no traceback.
+            click.echo("stopped", err=True)
+        return
     query = filters.query(limit=limit or DEFAULT_PAGE, cursor=cursor)
     settings = settings_from(database_url=database_url)
     if as_jsonl and limit is None:
@@ -222,6 +265,83 @@ def list_calls(
         _print_table(page)
 
 
+FOLLOW_BACKLOG = 10
+GAP_PATIENCE_SECONDS = 10.0
+"""How long a follower waits for a missing event id. Ids are taken when a transaction writes
+and become visible when it commits, so a later id can be seen first; an id that never shows
+belonged to a rolled-back transaction."""
+
+
+async def _follow(settings: Settings, query: CallQuery, *, interval: float, as_jsonl: bool) -> None:
+    from toolledger.audit.views import call_view
+
+    async with audit_service(settings) as service:
+        follower = Follower(await service.store.last_event_id())
+        backlog = await service.list_calls(query)
+        if not as_jsonl:
+            click.echo(_plain(f"following the ledger, every {interval:g}s (Ctrl-C to stop)").plain)
+        for view in reversed(backlog.calls):
+            _echo_change(view, None, view.created_at, as_jsonl=as_jsonl)
+        while True:
+            changes = await service.store.changes_after(query, follower.floor)
+            # A call that changed several times since the last look is printed once, as it
+            # is now, with what happened to it: its state at each event is not kept.
+            latest: dict[CallKey, list[Change]] = {}
+            for change in follower.new(changes, time.monotonic()):
+                if change.matches:
+                    latest.setdefault(change.call.key, []).append(change)
+            for events in latest.values():
+                kinds = ", ".join(dict.fromkeys(event.kind for event in events))
+                view = call_view(events[-1].call, service.redactor)
+                _echo_change(view, kinds, events[-1].at, as_jsonl=as_jsonl)
+            await asyncio.sleep(interval)
+
+
+class Follower:
+    """Which events a tail has printed. It reads the events above ``floor`` and raises the
+    floor over every id it has seen, or has waited for longer than GAP_PATIENCE_SECONDS."""
+
+    def __init__(self, floor: int) -> None:
+        self.floor = floor
+        self._seen: set[int] = set()
+        self._missing_since: dict[int, float] = {}
+
+    def new(self, changes: list[Change], now: float) -> list[Change]:
+        fresh = [change for change in changes if change.event_id not in self._seen]
+        self._seen.update(change.event_id for change in fresh)
+        top = max(self._seen, default=self.floor)
+        for event_id in range(self.floor + 1, top + 1):
+            if event_id not in self._seen:
+                self._missing_since.setdefault(event_id, now)
+        while self.floor < top:
+            following = self.floor + 1
+            waited = now - self._missing_since.get(following, now)
+            if following not in self._seen and waited < GAP_PATIENCE_SECONDS:
+                break
+            self.floor = following
+            self._seen.discard(following)
+            self._missing_since.pop(following, None)
+        return fresh
+
+
+def _echo_change(view: CallView, kind: str | None, at: datetime, *, as_jsonl: bool) -> None:
+    if as_jsonl:
+        click.echo(view.model_dump_json())
+        return
+    line = "  ".join(
+        (
+            _precise(at)[:23],
+            view.id[:ID_PREFIX_CHARS],
+            f"{view.status:<9}",
+            f"{outcome_text(view):<20}",
+            view.tool_name,
+            f"{view.session_id}/{view.turn_id}/{view.call_id}",
+            f"({kind})" if kind else "(listed)",
+        )
+    )
+    click.echo(_plain(line).plain)
+
+
 async def _page(settings: Settings, query: CallQuery) -> CallPage:
     async with audit_service(settings) as service:
         return await service.list_calls(query)
@@ -235,6 +355,59 @@ async def _stream_jsonl(settings: Settings, query: CallQuery) -> None:
     out.flush()
 
 
+@dataclass(frozen=True)
+class Column:
+    header: str
+    value: Callable[[CallView], str]
+    rank: int
+    """Which columns a narrow terminal keeps: the lowest ranks, as many as fit."""
+    justify: Literal["left", "right"] = "left"
+
+
+def outcome_text(view: CallView) -> str:
+    if view.outcome == "failed" and view.error_stage:
+        return f"failed ({view.error_stage})"
+    return view.outcome or ""
+
+
+LIST_COLUMNS = (
+    Column("id", lambda v: v.id[:ID_PREFIX_CHARS], 0),
+    Column("session", lambda v: v.session_id, 5),
+    Column("call", lambda v: v.call_id, 4),
+    Column("tool", lambda v: v.tool_name, 1),
+    Column("effect", lambda v: v.effect_class, 7),
+    Column("status", lambda v: v.status, 2),
+    Column("outcome", outcome_text, 3),
+    Column("attempts", lambda v: str(v.attempts), 8, "right"),
+    Column("created (UTC)", lambda v: _moment(v.created_at), 6),
+    Column("finished (UTC)", lambda v: _moment(v.finished_at), 9),
+)
+COLUMN_GAP = 2
+"""Rich's padding between two cells of a box-less table (one each side)."""
+
+
+def fitting_columns(views: list[CallView], width: int) -> list[Column]:
+    """The columns that fit ``width`` whole, most important first, shown in their usual order.
+    A cell never wraps: an id folded over two lines cannot be copied, so a column that does
+    not fit is left out instead (--json has every field)."""
+    from rich.cells import cell_len
+
+    needed = {
+        column.header: max(
+            [cell_len(column.header)] + [cell_len(_plain(column.value(v)).plain) for v in views]
+        )
+        for column in LIST_COLUMNS
+    }
+    chosen: set[str] = set()
+    used = -COLUMN_GAP
+    for column in sorted(LIST_COLUMNS, key=lambda c: c.rank):
+        extra = needed[column.header] + COLUMN_GAP
+        if not chosen or used + extra <= width:
+            chosen.add(column.header)
+            used += extra
+    return [column for column in LIST_COLUMNS if column.header in chosen]
+
+
 def _print_table(page: CallPage) -> None:
     from rich.table import Table
 
@@ -242,26 +415,14 @@ def _print_table(page: CallPage) -> None:
     if not page.calls:
         console.print(_plain("no calls match"))
         return
+    columns = fitting_columns(page.calls, console.width)
     table = Table(box=None, pad_edge=False, header_style="bold")
-    # Only the id prefix never wraps: on a narrow terminal the other cells fold rather than
-    # vanish or end in an ellipsis (an id is only of use whole).
-    table.add_column("id", no_wrap=True)
-    for name in ("session", "call", "tool", "effect", "status"):
-        table.add_column(name, overflow="fold")
-    table.add_column("attempts", justify="right", overflow="fold")
-    table.add_column("created (UTC)", overflow="fold")
-    table.add_column("finished (UTC)", overflow="fold")
+    for column in columns:
+        # Never folded nor cut: a column that does not fit was left out above.
+        table.add_column(column.header, no_wrap=True, overflow="ignore", justify=column.justify)
     for view in page.calls:
         table.add_row(
-            _plain(view.id[:ID_PREFIX_CHARS]),
-            _plain(view.session_id),
-            _plain(view.call_id),
-            _plain(view.tool_name),
-            _plain(view.effect_class),
-            _plain(view.status),
-            _plain(str(view.attempts)),
-            _plain(_moment(view.created_at)),
-            _plain(_moment(view.finished_at)),
+            *(_plain(column.value(view)) for column in columns),
             style="bold red" if view.needs_operator else None,
         )
     console.print(table)
@@ -270,9 +431,47 @@ def _print_table(page: CallPage) -> None:
     if waiting:
         shown += f"; {waiting} with an unknown outcome (toolledger calls resolve ID ...)"
     console.print(_plain(shown), soft_wrap=True)
+    left_out = [column.header for column in LIST_COLUMNS if column not in columns]
+    if left_out:
+        console.print(
+            _plain(f"not shown at this width: {', '.join(left_out)} (widen the terminal, or --json)"),
+            soft_wrap=True,
+        )
     if page.next_cursor:
         # Soft-wrapped: the terminal folds it, so a copied cursor has no line breaks in it.
         console.print(_plain(f"more: --cursor {page.next_cursor}"), soft_wrap=True)
+
+
+# ----------------------------------------------------------------------- stats
+
+
+@calls.command("stats")
+@filter_options
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@database_option
+def call_stats(filters: Filters, as_json: bool, database_url: str | None) -> None:
+    """How many calls the filters match, by status and by outcome (a failure keeps its
+    outcome after it is submitted; its stage says where it failed)."""
+    query = filters.query()
+    settings = settings_from(database_url=database_url)
+    counts = execute(_counts(settings, query))
+    if as_json:
+        click.echo(counts.model_dump_json(indent=2))
+        return
+    click.echo(f"{counts.total} call(s)")
+    for title, tally in (
+        ("by status", counts.by_status),
+        ("by outcome", counts.by_outcome),
+        ("failed by stage", counts.failed_by_stage),
+    ):
+        if tally:
+            parts = ", ".join(f"{name} {count}" for name, count in sorted(tally.items()))
+            click.echo(f"{title}: {_plain(parts).plain}")
+
+
+async def _counts(settings: Settings, query: CallQuery) -> CallCountsView:
+    async with audit_service(settings) as service:
+        return await service.counts(query)
 
 
 # ------------------------------------------------------------------------ show
@@ -320,12 +519,12 @@ def _print_detail(detail: CallDetail) -> None:
         ("status", status),
         ("attempts", str(call.attempts)),
         ("submissions", str(call.submissions)),
-        ("created", _moment(call.created_at)),
-        ("started", _moment(call.started_at) if call.started_at else None),
-        ("finished", _moment(call.finished_at) if call.finished_at else None),
-        ("submitted", _moment(call.submitted_at) if call.submitted_at else None),
-        ("confirmed", _moment(call.confirmed_at) if call.confirmed_at else None),
-        ("lease", _lease(call.lease_owner, call.lease_expires_at)),
+        ("created", _precise(call.created_at)),
+        ("started", _precise(call.started_at) if call.started_at else None),
+        ("finished", _precise(call.finished_at) if call.finished_at else None),
+        ("submitted", _precise(call.submitted_at) if call.submitted_at else None),
+        ("confirmed", _precise(call.confirmed_at) if call.confirmed_at else None),
+        ("lease", _lease(call.status, call.lease_owner, call.lease_expires_at)),
         ("error", ": ".join(part for part in (call.error_stage, call.error_detail) if part) or None),
         ("abandoned", call.abandoned_reason),
         ("last submit error", call.last_submission_error),
@@ -339,7 +538,8 @@ def _print_detail(detail: CallDetail) -> None:
     console.print()
     timeline = Table(title=_plain("timeline"), title_justify="left", header_style="bold", box=None)
     timeline.add_column("#", justify="right")
-    for name in ("at (UTC)", "actor", "event", "transition", "reason"):
+    timeline.add_column("at (UTC)", no_wrap=True)
+    for name in ("actor", "event", "transition", "reason"):
         timeline.add_column(name, overflow="fold")
     for number, event in enumerate(detail.timeline, start=1):
         change = f"{event.from_status or 'new'} → {event.to_status}" if event.to_status else ""
@@ -348,7 +548,7 @@ def _print_detail(detail: CallDetail) -> None:
         reason = " | ".join(part for part in (event.reason, event.detail) if part)
         timeline.add_row(
             _plain(str(number)),
-            _plain(_moment(event.at)),
+            _plain(_precise(event.at)),
             _plain(event.actor),
             _plain(event.kind),
             _plain(change.strip()),
@@ -596,6 +796,104 @@ async def _prune(
         return await service.prune(age, dry_run=dry_run, progress=progress)
 
 
+# -------------------------------------------------------------------- sessions
+
+
+def show_session(session_id: str, *, as_json: bool, database_url: str | None) -> None:
+    """`toolledger sessions show`: the session's watch state, who follows it under which lease,
+    its last poll, and its calls with their status and outcome."""
+    import json
+
+    _check_text(session_id, "SESSION")
+    try:
+        query = CallQuery(session_id=session_id, sort=SortKey.CREATED, descending=False, limit=MAX_PAGE)
+    except QueryError as error:
+        raise click.BadParameter(str(error), param_hint="SESSION") from None
+    settings = settings_from(database_url=database_url)
+    record, page, counts = execute(_session(settings, query))
+    if record is None and not page.calls:
+        raise click.ClickException(f"no session {session_id!r} in the ledger")
+    state = _session_state(record)
+    if as_json:
+        document = {
+            "session_id": session_id,
+            **state,
+            "counts": counts.model_dump(mode="json"),
+            "calls": [view.model_dump(mode="json") for view in page.calls],
+            "more_calls": page.next_cursor is not None,
+        }
+        click.echo(json.dumps(document, indent=2, ensure_ascii=False))
+        return
+    console = _console()
+    console.print(_plain(f"session {session_id}"), soft_wrap=True)
+    if record is None:
+        console.print(_plain("watched: never (its calls are in the ledger)"))
+    else:
+        why = f" ({record.reason})" if record.reason else ""
+        console.print(_plain(f"watched: {'yes' if record.watched else 'no'}{why}"), soft_wrap=True)
+        console.print(_plain(f"status: {record.status or '-'}"), soft_wrap=True)
+        console.print(_plain(f"owner: {state['lease']}"), soft_wrap=True)
+        polled = _precise(record.last_polled_at) if record.last_polled_at else "never"
+        console.print(_plain(f"last poll (UTC): {polled}"), soft_wrap=True)
+    tally = ", ".join(f"{name} {count}" for name, count in sorted(counts.by_status.items()))
+    outcomes = ", ".join(f"{name} {count}" for name, count in sorted(counts.by_outcome.items()))
+    console.print(_plain(f"calls: {counts.total} ({tally}); outcomes: {outcomes}"), soft_wrap=True)
+    if page.calls:
+        _print_table(page)
+
+
+async def _session(
+    settings: Settings, query: CallQuery
+) -> tuple[SessionRecord | None, CallPage, CallCountsView]:
+    from toolledger.store.sessions import SessionStore
+
+    assert query.session_id is not None
+    async with audit_service(settings) as service:
+        record = await SessionStore(service.engine).get(query.session_id)
+        return record, await service.list_calls(query), await service.counts(query)
+
+
+def _session_state(record: SessionRecord | None) -> dict[str, Any]:
+    if record is None:
+        return {
+            "watched": None,
+            "status": None,
+            "reason": None,
+            "owner": None,
+            "lease": "none",
+            "lease_expires_at": None,
+            "last_polled_at": None,
+            "last_event_id": None,
+        }
+    expires = record.lease_expires_at
+    if expires is not None and expires.tzinfo is None:
+        expires = expires.replace(tzinfo=UTC)
+    live = record.owner is not None and expires is not None and expires > datetime.now(UTC)
+    if live:
+        assert expires is not None
+        lease = f"{record.owner} until {_precise(expires)}"
+    elif record.owner is not None:
+        lease = f"none (the lease of {record.owner} has expired)"
+    else:
+        lease = "none"
+    return {
+        "watched": record.watched,
+        "status": record.status,
+        "reason": record.reason,
+        "owner": record.owner if live else None,
+        "lease": lease,
+        "lease_expires_at": expires.isoformat() if expires else None,
+        "last_polled_at": _aware(record.last_polled_at),
+        "last_event_id": record.last_event_id,
+    }
+
+
+def _aware(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
+
+
 # ------------------------------------------------------------------- plumbing
 
 
@@ -675,10 +973,23 @@ def _plain(text: str) -> Text:
     )
 
 
-def _lease(owner: str | None, expires_at: datetime | None) -> str | None:
-    if owner is None:
+def _lease(status: str, owner: str | None, expires_at: datetime | None) -> str | None:
+    """The lease while the call runs under it. A finished call keeps its last owner's name,
+    and an expired lease names a worker that may be long dead: neither holds the call."""
+    if owner is None or status != CallStatus.RUNNING.value:
         return None
-    return owner if expires_at is None else f"{owner} until {_moment(expires_at)}"
+    if expires_at is None:
+        return owner
+    expires = expires_at.replace(tzinfo=UTC) if expires_at.tzinfo is None else expires_at
+    if expires <= datetime.now(UTC):
+        return f"expired at {_precise(expires)} (held by {owner})"
+    return f"{owner} until {_precise(expires)}"
+
+
+def _precise(moment: datetime) -> str:
+    """To the microsecond: a call's steps are often within the same second."""
+    utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return utc.strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _moment(moment: datetime | None) -> str:

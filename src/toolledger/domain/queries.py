@@ -39,6 +39,26 @@ class QueryError(ValueError):
     """A filter, sort, cursor or reference the user gave cannot be used; the message says why."""
 
 
+class Outcome(StrEnum):
+    """How a call ended, once it has a result: kept after its submission, when the status
+    says only ``submitted``."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+def outcome_of(result: str | None, error_stage: str | None) -> Outcome | None:
+    """A call's outcome from its stored columns: none without a result; a failure result is
+    the one with an error stage (``failed()`` always sets one, ``succeeded()`` never does)."""
+    if result is None:
+        return None
+    return Outcome.FAILED if error_stage is not None else Outcome.SUCCEEDED
+
+
+MIN_PREFIX_HEX = 4
+"""The shortest idempotency-key prefix `show` accepts (tl_ and 4 hex digits: 65,536 values)."""
+
+
 class SortKey(StrEnum):
     CREATED = "created"
     FINISHED = "finished"
@@ -94,6 +114,8 @@ class CallQuery:
     turn_id: str | None = None
     tool_names: tuple[str, ...] = ()
     statuses: tuple[CallStatus, ...] = ()
+    outcomes: tuple[Outcome, ...] = ()
+    """Succeeded or failed: calls with a result of that kind, submitted or not."""
     effect_classes: tuple[EffectClass, ...] = ()
     since: datetime | None = None
     """Recorded at or after (created_at)."""
@@ -139,6 +161,10 @@ class CallQuery:
 
 def parse_statuses(values: list[str] | tuple[str, ...]) -> tuple[CallStatus, ...]:
     return tuple(_member(CallStatus, v, "status") for v in _split(values))
+
+
+def parse_outcomes(values: list[str] | tuple[str, ...]) -> tuple[Outcome, ...]:
+    return tuple(_member(Outcome, v, "outcome") for v in _split(values))
 
 
 def parse_effect_classes(values: list[str] | tuple[str, ...]) -> tuple[EffectClass, ...]:
@@ -200,8 +226,11 @@ class CallReference:
                 return cls(key=CallKey.parse(text))
             except ValueError as error:
                 raise QueryError(str(error)) from None
-        if re.fullmatch(r"tl_[0-9a-f]{8,48}", text):
+        if re.fullmatch(rf"tl_[0-9a-f]{{{MIN_PREFIX_HEX},48}}", text):
             return cls(idempotency_prefix=text)
+        if re.fullmatch(r"tl_[0-9a-f]{0,3}", text):
+            # No call id looks like this: it is a prefix too short to name anything useful.
+            raise QueryError(f"an id prefix needs at least {MIN_PREFIX_HEX} hex digits after tl_")
         if len(text) > MAX_FILTER_CHARS:
             raise QueryError(f"a call id is at most {MAX_FILTER_CHARS} characters")
         return cls(call_id=text)

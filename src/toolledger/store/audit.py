@@ -20,7 +20,15 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
 from toolledger.domain.keys import CallKey
-from toolledger.domain.queries import CallQuery, CallReference, Cursor, QueryError, SortKey
+from toolledger.domain.queries import (
+    CallQuery,
+    CallReference,
+    Cursor,
+    Outcome,
+    QueryError,
+    SortKey,
+    outcome_of,
+)
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.store.engine import SQLITE_LOWER, uninterrupted_on_sqlite, write_transaction
@@ -44,6 +52,30 @@ class Page:
     calls: list[CallRecord]
     next_cursor: Cursor | None
     """Pass it back for the next page; None on the last one."""
+
+
+@dataclass(frozen=True)
+class CallCounts:
+    """The calls a query matches, counted by status and by outcome (its sort, page and cursor
+    play no part)."""
+
+    total: int
+    by_status: dict[str, int]
+    by_outcome: dict[str, int]
+    """``succeeded``, ``failed`` and ``none`` (no result yet)."""
+    failed_by_stage: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One event of the ledger seen by a follower, with the call as it is now."""
+
+    event_id: int
+    at: datetime
+    kind: str
+    matches: bool
+    """The query's filters match the call."""
+    call: CallRecord
 
 
 @dataclass(frozen=True)
@@ -87,6 +119,82 @@ class AuditStore:
         statement = select(func.count()).select_from(tool_calls).where(*_filters(query))
         async with self.engine.connect() as conn:
             return int((await conn.execute(statement)).scalar_one())
+
+    async def count_by(self, query: CallQuery) -> CallCounts:
+        """One GROUP BY over the matching calls: status, and whether a result and an error
+        stage are stored (from which the outcome follows, as ``outcome_of`` says)."""
+        has_result = tool_calls.c.result.is_not(None)
+        statement = (
+            select(tool_calls.c.status, has_result, tool_calls.c.error_stage, func.count())
+            .where(*_filters(query))
+            .group_by(tool_calls.c.status, has_result, tool_calls.c.error_stage)
+        )
+        by_status: dict[str, int] = {}
+        by_outcome: dict[str, int] = {}
+        stages: dict[str, int] = {}
+        async with self.engine.connect() as conn:
+            rows = list(await conn.execute(statement))
+        for status, with_result, stage, count in rows:
+            by_status[status] = by_status.get(status, 0) + int(count)
+            outcome = outcome_of("" if with_result else None, stage)
+            name = outcome.value if outcome is not None else "none"
+            by_outcome[name] = by_outcome.get(name, 0) + int(count)
+            if outcome is Outcome.FAILED:
+                stages[stage] = stages.get(stage, 0) + int(count)
+        return CallCounts(sum(by_status.values()), by_status, by_outcome, stages)
+
+    async def last_event_id(self) -> int:
+        async with self.engine.connect() as conn:
+            found = (await conn.execute(select(func.max(tool_call_events.c.id)))).scalar_one()
+        return int(found or 0)
+
+    async def changes_after(self, query: CallQuery, event_id: int, *, limit: int = 500) -> list[Change]:
+        """The events after ``event_id`` (oldest first, at most ``limit``), each with its call
+        as it is now and whether the query's filters match it: a primary-key range of the
+        events, so a follower polling a large ledger reads only what is new. Every event is
+        returned, matching or not, so the follower knows how far it has read."""
+        events = (
+            select(
+                tool_call_events.c.id,
+                tool_call_events.c.at,
+                tool_call_events.c.kind,
+                tool_call_events.c.session_id,
+                tool_call_events.c.turn_id,
+                tool_call_events.c.call_id,
+            )
+            .where(tool_call_events.c.id > event_id)
+            .order_by(tool_call_events.c.id)
+            .limit(limit)
+            .subquery()
+        )
+        filters = _filters(query)
+        matches = and_(*filters) if filters else literal(True)
+        statement = (
+            select(
+                events.c.id.label("event_id"),
+                events.c.at.label("event_at"),
+                events.c.kind.label("event_kind"),
+                matches.label("event_matches"),
+                tool_calls,
+            )
+            .join(
+                tool_calls,
+                and_(
+                    tool_calls.c.session_id == events.c.session_id,
+                    tool_calls.c.turn_id == events.c.turn_id,
+                    tool_calls.c.call_id == events.c.call_id,
+                ),
+            )
+            .order_by(events.c.id)
+        )
+        async with self.engine.connect() as conn:
+            rows = list(await conn.execute(statement))
+        return [
+            Change(
+                int(row.event_id), row.event_at, str(row.event_kind), bool(row.event_matches), _record(row)
+            )
+            for row in rows
+        ]
 
     async def find(self, reference: CallReference) -> list[CallRecord]:
         """The calls a reference names (more than one: it is ambiguous)."""
@@ -219,6 +327,15 @@ def _filters(query: CallQuery) -> list[ColumnElement[bool]]:
         clauses.append(tool_calls.c.tool_name.in_(query.tool_names))
     if query.statuses:
         clauses.append(tool_calls.c.status.in_([s.value for s in query.statuses]))
+    if query.outcomes and len(set(query.outcomes)) < len(Outcome):
+        # Bare column tests (no CASE, no COALESCE), the same on both databases: the planner
+        # may combine them with any index on the other filters.
+        (wanted,) = set(query.outcomes)
+        stage = tool_calls.c.error_stage
+        clauses.append(tool_calls.c.result.is_not(None))
+        clauses.append(stage.is_not(None) if wanted is Outcome.FAILED else stage.is_(None))
+    elif query.outcomes:
+        clauses.append(tool_calls.c.result.is_not(None))
     if query.effect_classes:
         clauses.append(tool_calls.c.effect_class.in_([e.value for e in query.effect_classes]))
     if query.since is not None:
@@ -287,4 +404,4 @@ def _escape_like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-__all__ = ["PRUNABLE", "AuditStore", "Page", "SessionSummary"]
+__all__ = ["PRUNABLE", "AuditStore", "CallCounts", "Change", "Page", "SessionSummary"]
