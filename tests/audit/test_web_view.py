@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -220,3 +222,191 @@ async def test_web_view__hostile_text_in_arguments_is_shown_as_text(page: Any, l
         raise AssertionError("the hostile call is not listed")
     assert await page.locator("img").count() == 0
     assert await page.evaluate("window.__pwned") is None
+
+
+# ------------------------------------------------------------- issue 15: operator's view
+
+SHOTS = Path(os.environ.get("TOOLLEDGER_WEB_SHOTS", Path(tempfile.gettempdir()) / "toolledger-web-shots"))
+"""Where the layout test leaves its screenshots, for a person to look at."""
+
+_ONE_LINE = """(selector) => [...document.querySelectorAll(selector)].filter((cell) => {
+    const range = document.createRange();
+    range.selectNodeContents(cell);
+    const lines = new Set([...range.getClientRects()].map((rect) => Math.round(rect.top)));
+    return lines.size > 1;
+}).map((cell) => cell.textContent)"""
+"""The cells of ``selector`` whose text takes more than one line."""
+
+
+async def _no_horizontal_overflow(page: Any) -> None:
+    widths = await page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert widths[0] <= widths[1], widths
+
+
+async def test_web_view__rows_stay_one_line_with_whole_ids_at_1024_and_1440(
+    page: Any, ledger: FilledLedger, api_url: str
+) -> None:
+    await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
+    await _use_token(page, READER)
+    rows = await _wait_rows(page, lambda rows: len(rows) >= 11)
+    for width in (1024, 1440):
+        await page.set_viewport_size({"width": width, "height": 900})
+        await page.goto(f"{api_url}/ui/")
+        await _wait_rows(page, lambda found: len(found) == len(rows))
+        await page.get_by_test_id("counts").locator("button").first.wait_for()
+        await page.screenshot(path=str(SHOTS / f"list-{width}.png"), full_page=True)
+        await _no_horizontal_overflow(page)
+        assert await page.evaluate(_ONE_LINE, "#rows td") == [], width
+        assert await page.evaluate(_ONE_LINE, "#rows td.id") == [], width
+        row_heights = await page.eval_on_selector_all(
+            "[data-testid=call-row]", "rows => rows.map(r => r.getBoundingClientRect().height)"
+        )
+        assert max(row_heights) < 2 * min(row_heights), row_heights
+        ids = await page.eval_on_selector_all("#rows td.session", "cells => cells.map(c => c.textContent)")
+        assert set(ids) >= set(ledger.session_ids), "session ids are shown whole"
+        table = await page.evaluate(
+            "document.querySelector('[data-testid=calls]').getBoundingClientRect().width"
+        )
+        assert table >= 0.9 * (width - 40), ("the list uses the full width", width, table)
+
+        # A call's detail: its heading fits, its timeline's cells are not broken mid-word,
+        # and the timeline is near the top, not under the whole list.
+        await page.locator(f"[data-testid=call-row][data-call-id='{rows[0]['id']}']").click()
+        await page.get_by_test_id("timeline-row").first.wait_for()
+        await page.screenshot(path=str(SHOTS / f"detail-{width}.png"), full_page=False)
+        await _no_horizontal_overflow(page)
+        heading = await page.evaluate(
+            "(() => { const h = document.querySelector('#detail h2');"
+            " return [h.scrollWidth, h.clientWidth]; })()"
+        )
+        assert heading[0] <= heading[1], heading
+        assert await page.evaluate(_ONE_LINE, "#timeline-rows td:not(.reason)") == [], width
+        top = await page.evaluate(
+            "document.querySelector('[data-testid=timeline]').getBoundingClientRect().top + window.scrollY"
+        )
+        assert top < 900, top
+
+
+async def test_web_view__auto_refresh_shows_a_new_call_without_a_reload(
+    page: Any, ledger: FilledLedger
+) -> None:
+    from tests.audit.test_calls_cli import add_unknown_call
+    from toolledger.domain.keys import CallKey
+
+    await _use_token(page, READER)
+    await _wait_rows(page, lambda rows: len(rows) >= 11)
+    assert await page.get_by_test_id("auto-refresh").is_checked()
+    await page.get_by_test_id("refresh-every").select_option("2")
+    fresh = CallKey("sess_web_refresh", "turn_1", f"call_{uuid.uuid4().hex[:12]}")
+    await add_unknown_call(ledger.database_url, fresh, "charge_card", {"amount": 5})
+    rows = await _wait_rows(page, lambda rows: fresh.idempotency_key in [r["id"] for r in rows])
+    assert {r["status"] for r in rows if r["id"] == fresh.idempotency_key} == {"unknown"}
+    counts = await page.get_by_test_id("counts").text_content()
+    assert "unknown" in counts
+
+    # Turned off, the list stays as it is.
+    await page.get_by_test_id("auto-refresh").uncheck()
+    later = CallKey("sess_web_refresh", "turn_2", f"call_{uuid.uuid4().hex[:12]}")
+    await add_unknown_call(ledger.database_url, later, "charge_card", {"amount": 6})
+    await asyncio.sleep(5)
+    assert later.idempotency_key not in [r["id"] for r in await _rows(page)]
+
+
+async def test_web_view__deep_links_pages_outcomes_and_sessions(
+    page: Any, ledger: FilledLedger, api_url: str
+) -> None:
+    await _use_token(page, READER)
+    rows = await _wait_rows(page, lambda rows: len(rows) >= 11)
+
+    # A link opens the call's detail directly.
+    target = rows[-1]["id"]
+    await page.goto(f"{api_url}/ui/#call={target}")
+    await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(target)
+    assert target in await page.get_by_test_id("detail-link").get_attribute("href")
+
+    # Failures stay visible after their submission: the outcome filter finds them.
+    await page.get_by_test_id("filter-outcome").select_option("failed")
+    await page.get_by_test_id("apply").click()
+    failed = await _wait_rows(page, lambda rows: rows and all(r["status"] == "submitted" for r in rows))
+    outcomes = await page.eval_on_selector_all("#rows td.outcome", "cells => cells.map(c => c.textContent)")
+    assert len(failed) == 2 * len(ledger.session_ids)
+    assert set(outcomes) == {"failed: execution"}
+    await page.get_by_test_id("filter-outcome").select_option("")
+
+    # Next and previous page (with auto-refresh off: another test's new calls would move
+    # the pages).
+    await page.get_by_test_id("auto-refresh").uncheck()
+    await page.get_by_test_id("filter-limit").fill("4")
+    await page.get_by_test_id("apply").click()
+    first = await _wait_rows(page, lambda rows: len(rows) == 4)
+    await page.get_by_test_id("more").click()
+    second = await _wait_rows(page, lambda rows: len(rows) == 4 and rows != first)
+    assert not {r["id"] for r in second} & {r["id"] for r in first}
+    await page.get_by_test_id("previous").click()
+    assert await _wait_rows(page, lambda rows: rows == first)
+    assert await page.get_by_test_id("previous").is_hidden()
+
+    # The sessions page; a session opens its calls.
+    await page.get_by_test_id("nav-sessions").click()
+    await page.get_by_test_id("session-row").first.wait_for()
+    listed = await page.eval_on_selector_all(
+        "[data-testid=session-row]", "rows => rows.map(r => r.dataset.sessionId)"
+    )
+    assert set(listed) >= set(ledger.session_ids)
+    await page.locator(f"[data-testid=session-row][data-session-id='{ledger.session_ids[0]}']").click()
+    await page.get_by_test_id("filter-limit").fill("50")
+    await page.get_by_test_id("apply").click()
+    await _wait_rows(page, lambda rows: len(rows) == 5)
+
+
+@pytest.fixture(scope="module")
+def local_api_url(ledger: FilledLedger, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`toolledger api` with no token at all: loopback only, anyone on the machine."""
+    log = (tmp_path_factory.mktemp("web-local-api") / "api.log").open("w+")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("TOOLLEDGER_API_TOKENS", "TOOLLEDGER_API_READ_TOKENS", "TOOLLEDGER_OPENAI_BASE_URL")
+    }
+    env.update({"TOOLLEDGER_DATABASE_URL": ledger.database_url, "PYTHONPATH": str(ROOT)})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolledger.cli", "api", "--port", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        match = re.search(r"audit API: (http://\S+)", process.stdout.readline())
+        assert match
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        log.close()
+
+
+async def test_web_view__without_tokens_the_operator_names_themselves_and_no_dead_lease_shows(
+    page: Any, ledger: FilledLedger, local_api_url: str
+) -> None:
+    from tests.audit.test_calls_cli import add_unknown_call
+    from toolledger.domain.keys import CallKey
+
+    stuck = CallKey("sess_web_local", "turn_1", f"call_{uuid.uuid4().hex[:12]}")
+    await add_unknown_call(ledger.database_url, stuck, "charge_card", {"amount": 7})
+    await page.goto(f"{local_api_url}/ui/#call={stuck.idempotency_key}")
+    await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(stuck.idempotency_key)
+    assert await page.get_by_test_id("field-status").text_content() == "unknown"
+    # The worker that held it is gone: it is nobody's "lease owner".
+    assert await page.get_by_test_id("field-lease_owner").count() == 0
+
+    await page.get_by_test_id("resolve-kind").select_option("error")
+    await page.get_by_test_id("resolve-text").fill("not charged")
+    await page.get_by_test_id("resolve-reason").fill("checked the PSP")
+    await page.get_by_test_id("resolve-operator").fill("carol")
+    await page.get_by_test_id("resolve-submit").click()
+    await playwright_api.expect(page.get_by_test_id("resolve-result")).to_contain_text("Resolved")
+    events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+    assert any("operator:carol" in event and "checked the PSP" in event for event in events), events

@@ -51,6 +51,7 @@ from toolledger import __version__
 from toolledger.audit.auth import Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
 from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
 from toolledger.audit.service import (
+    MAX_OPERATOR_CHARS,
     MAX_REASON_CHARS,
     REASON_PATTERN,
     AmbiguousCallError,
@@ -146,6 +147,13 @@ class _ResolveBody(BaseModel):
         # The pattern is documentation: Resolution refuses a blank reason, with its own message.
         json_schema_extra={"pattern": REASON_PATTERN},
         description="Why, not blank: recorded in the call's timeline with your token's name.",
+    )
+    operator: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_OPERATOR_CHARS,
+        description="Who resolves it, only when the API has no tokens (loopback only): recorded "
+        "instead of 'local'. With tokens the token's name is the operator, and this is 400.",
     )
 
 
@@ -540,9 +548,14 @@ _SessionId = Annotated[
 async def resolve_call(
     ref: _Reference, body: Annotated[ResolveRequest, Body()], principal: Writer, audit: Audit
 ) -> ResolveResponse:
+    operator = principal.name
+    if body.operator is not None:
+        if not principal.local:
+            raise QueryError("operator: with API tokens the operator is your token's name; leave it out")
+        operator = body.operator.strip()
     resolution = Resolution(
         kind=ResolutionKind(body.kind),
-        operator=principal.name,
+        operator=operator,
         reason=body.reason,
         text=None if isinstance(body, RerunResolution) else body.text,
     )

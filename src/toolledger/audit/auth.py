@@ -47,6 +47,8 @@ class Principal:
 
     name: str
     may_write: bool
+    local: bool = False
+    """No token is configured: anyone on this machine, who may say who they are."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ async def authenticated(
     tokens: TokenRing = request.app.state.tokens
     if tokens.empty:
         _only_from_this_machine(request)
-        return Principal(LOCAL_OPERATOR, may_write=True)
+        return Principal(LOCAL_OPERATOR, may_write=True, local=True)
     if credentials is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "a bearer token is required", headers=_CHALLENGE)
     principal = tokens.identify(credentials.credentials)

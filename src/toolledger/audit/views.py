@@ -97,7 +97,10 @@ def counts_view(counts: CallCounts) -> CallCountsView:
 class SessionView(BaseModel):
     session_id: str
     watched: bool | None
-    owner: str | None
+    owner: str | None = Field(
+        description="The last replica to hold it: it follows the session only until lease_expires_at."
+    )
+    lease_expires_at: Utc | None
     status: str | None
     reason: str | None
     last_polled_at: Utc | None
@@ -163,6 +166,7 @@ def session_view(summary: SessionSummary, redactor: Redactor) -> SessionView:
         session_id=summary.session_id,
         watched=summary.watched,
         owner=summary.owner,
+        lease_expires_at=summary.lease_expires_at,
         status=summary.status,
         reason=_text(summary.reason, redactor),
         last_polled_at=summary.last_polled_at,

@@ -84,6 +84,7 @@ class SessionSummary:
     watched: bool | None
     """None: the ledger has calls of this session but it was never watched."""
     owner: str | None
+    lease_expires_at: datetime | None
     status: str | None
     reason: str | None
     last_polled_at: datetime | None
@@ -254,6 +255,7 @@ class AuditStore:
                     session_id=session_id,
                     watched=row.watched if row is not None else None,
                     owner=row.owner if row is not None else None,
+                    lease_expires_at=row.lease_expires_at if row is not None else None,
                     status=row.status if row is not None else None,
                     reason=row.reason if row is not None else None,
                     last_polled_at=row.last_polled_at if row is not None else None,

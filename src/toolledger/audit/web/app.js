@@ -1,13 +1,24 @@
-// The audit web view: lists calls through /api/calls, opens one call's timeline, resolves
-// unknown calls. Every value from the ledger is attacker-controlled text (tool arguments,
-// outputs): it is only ever put on the page with textContent, never parsed as HTML.
+// The audit web view: lists calls through /api/calls (with their counts from /api/counts),
+// opens one call's timeline, resolves unknown calls, lists sessions. Every value from the
+// ledger is attacker-controlled text (tool arguments, outputs): it is only ever put on the
+// page with textContent, never parsed as HTML.
+//
+// Where the view is lives in the URL: the filters in the query string, the open call or the
+// sessions page in the fragment (#call=ID, #sessions), so a link opens the same thing.
 
 const TOKEN_KEY = "toolledger-token";
-const FILTERS = ["session_id", "turn_id", "tool", "status", "effect_class", "since", "until", "q", "sort", "limit"];
+const OPERATOR_KEY = "toolledger-operator";
+const FILTERS = [
+  "session_id", "turn_id", "tool", "status", "outcome", "effect_class", "since", "until", "q", "sort", "limit",
+];
+const COUNT_FILTERS = FILTERS.filter((name) => !["sort", "limit"].includes(name));
 
 const $ = (id) => document.getElementById(id);
-let nextCursor = null;
+let pageCursors = [null];
+// The cursor of each page shown so far: the previous page is the one before.
 let openCallId = null;
+let refreshTimer = null;
+let loading = false;
 
 class ApiError extends Error {
   constructor(status, detail) {
@@ -58,10 +69,12 @@ function clearError() {
   $("error").textContent = "";
 }
 
-function filterParams() {
+// ------------------------------------------------------------------------ filters, URL
+
+function filterParams(names = FILTERS) {
   const form = $("filters");
   const params = new URLSearchParams();
-  for (const name of FILTERS) {
+  for (const name of names) {
     const value = form.elements[name].value.trim();
     if (value !== "") params.set(name, value);
   }
@@ -78,6 +91,58 @@ function restoreFilters() {
   form.elements.unknown_only.checked = params.get("unknown_only") === "true";
 }
 
+function fragment() {
+  const hash = location.hash.replace(/^#/, "");
+  if (hash.startsWith("call=")) return { view: "call", id: decodeURIComponent(hash.slice(5)) };
+  if (hash === "sessions") return { view: "sessions" };
+  return { view: "calls" };
+}
+
+function setFragment(hash) {
+  history.replaceState(null, "", `${location.pathname}${location.search}${hash ? `#${hash}` : ""}`);
+}
+
+// ------------------------------------------------------------------ times, durations
+
+function shortTime(value) {
+  return value ? value.replace("T", " ").replace(/(\.\d{3})\d*/, "$1").replace("+00:00", "Z") : "";
+}
+
+function span(seconds) {
+  const s = Math.max(0, seconds);
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  if (s < 60) return `${s < 10 ? s.toFixed(1) : Math.round(s)} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+}
+
+function ago(value) {
+  if (!value) return "";
+  const seconds = (Date.now() - Date.parse(value)) / 1000;
+  return seconds < 1 ? "just now" : `${span(seconds)} ago`;
+}
+
+function between(start, end) {
+  return (Date.parse(end) - Date.parse(start)) / 1000;
+}
+
+// How long a call took (to its result), or how long it has been waiting for one.
+function duration(call) {
+  if (call.finished_at) return { text: `took ${span(between(call.started_at || call.created_at, call.finished_at))}` };
+  if (["pending", "running", "unknown"].includes(call.status)) {
+    return { text: `waiting ${span((Date.now() - Date.parse(call.created_at)) / 1000)}`, waiting: true };
+  }
+  return { text: "" };
+}
+
+function outcomeText(call) {
+  if (!call.outcome) return "";
+  return call.outcome === "failed" && call.error_stage ? `failed: ${call.error_stage}` : call.outcome;
+}
+
+// ---------------------------------------------------------------------------- calls
+
 function cell(row, text, className) {
   const td = document.createElement("td");
   td.textContent = text === null || text === undefined ? "" : String(text);
@@ -86,13 +151,9 @@ function cell(row, text, className) {
   return td;
 }
 
-function shortTime(value) {
-  return value ? value.replace("T", " ").replace(/(\.\d{3})\d*/, "$1").replace("+00:00", "Z") : "";
-}
-
-function renderRows(calls, append) {
+function renderRows(calls) {
   const body = $("rows");
-  if (!append) body.replaceChildren();
+  body.replaceChildren();
   for (const call of calls) {
     const row = document.createElement("tr");
     row.dataset.testid = "call-row";
@@ -100,38 +161,105 @@ function renderRows(calls, append) {
     row.dataset.status = call.status;
     if (call.needs_operator) row.classList.add("row-unknown");
     if (call.id === openCallId) row.classList.add("selected");
-    cell(row, shortTime(call.created_at));
-    cell(row, call.session_id);
-    cell(row, call.turn_id);
-    cell(row, call.call_id);
+    cell(row, ago(call.created_at), "time").title = shortTime(call.created_at);
+    const id = cell(row, call.id.slice(0, 15), "id");
+    id.title = call.id;
+    cell(row, call.session_id, "id session");
+    cell(row, call.call_id, "id call");
     cell(row, call.tool_name, "tool");
-    cell(row, call.effect_class);
+    cell(row, call.effect_class, "wide-only");
     cell(row, call.status, "status");
-    cell(row, call.attempts);
-    cell(row, call.submissions);
+    cell(row, outcomeText(call), `outcome outcome-${call.outcome || "none"}`);
+    const took = duration(call);
+    cell(row, took.text, took.waiting ? "duration waiting" : "duration");
+    cell(row, call.attempts, "wide-only number");
     row.addEventListener("click", () => openCall(call.id));
     body.appendChild(row);
   }
   $("empty").hidden = body.children.length > 0;
 }
 
-async function loadCalls({ append = false } = {}) {
-  clearError();
+function renderCounts(counts) {
+  const box = $("counts");
+  box.replaceChildren();
+  const total = document.createElement("strong");
+  total.textContent = `${counts.total} call(s)`;
+  box.appendChild(total);
+  const groups = [
+    ["status", counts.by_status, ["pending", "running", "unknown", "succeeded", "failed", "submitted", "abandoned"]],
+    ["outcome", counts.by_outcome, ["succeeded", "failed", "none"]],
+  ];
+  for (const [filter, tally, order] of groups) {
+    const group = document.createElement("span");
+    group.className = "count-group";
+    group.textContent = `${filter}:`;
+    for (const name of order) {
+      if (!tally[name]) continue;
+      const button = document.createElement("button");
+      button.type = "button";
+      button.className = `count count-${name}`;
+      button.dataset.testid = `count-${filter}-${name}`;
+      button.textContent = `${name} ${tally[name]}`;
+      if (name !== "none") {
+        button.title = `show only ${filter} ${name}`;
+        button.addEventListener("click", () => {
+          $("filters").elements[filter].value = name;
+          loadCalls();
+        });
+      } else {
+        button.disabled = true;
+      }
+      group.appendChild(button);
+    }
+    box.appendChild(group);
+  }
+}
+
+let latestLoad = 0;
+
+async function loadCalls({ page = 0, quiet = false } = {}) {
+  // Only the latest request is shown: a refresh answered after a click on "Next page" must
+  // not put the page before back.
+  const load = ++latestLoad;
+  if (!quiet) clearError();
+  if (page === 0) pageCursors = [null];
   const params = filterParams();
-  if (append && nextCursor) params.set("cursor", nextCursor);
-  if (!append) history.replaceState(null, "", `${location.pathname}?${filterParams()}`);
+  const cursor = pageCursors[page];
+  if (cursor) params.set("cursor", cursor);
+  history.replaceState(null, "", `${location.pathname}?${filterParams()}${location.hash}`);
   try {
-    const page = await api(`/api/calls?${params}`);
-    renderRows(page.calls, append);
-    nextCursor = page.next_cursor;
-    $("more").hidden = !nextCursor;
+    const [listing, counts] = await Promise.all([
+      api(`/api/calls?${params}`),
+      api(`/api/counts?${filterParams(COUNT_FILTERS)}`),
+    ]);
+    if (load !== latestLoad) return;
+    renderRows(listing.calls);
+    renderCounts(counts);
+    pageCursors = pageCursors.slice(0, page + 1);
+    if (listing.next_cursor) pageCursors.push(listing.next_cursor);
+    $("more").hidden = !listing.next_cursor;
+    $("more").dataset.page = String(page + 1);
+    $("previous").hidden = page === 0;
+    $("previous").dataset.page = String(page - 1);
+    $("page-number").textContent = page > 0 || listing.next_cursor ? `page ${page + 1}` : "";
+    currentPage = page;
+    markRefreshed();
   } catch (error) {
-    if (!append) {
+    if (load !== latestLoad) return;
+    if (!quiet) {
       $("rows").replaceChildren();
+      $("counts").replaceChildren();
       $("more").hidden = true;
+      $("previous").hidden = true;
     }
     showError(error);
   }
+}
+
+let currentPage = 0;
+
+function markRefreshed() {
+  $("refreshed").textContent = `updated ${new Date().toISOString().slice(11, 19)} UTC`;
 }
 
 function pretty(value) {
@@ -139,21 +267,39 @@ function pretty(value) {
   return typeof value === "string" ? value : JSON.stringify(value, null, 2);
 }
 
-function renderDetail(detail) {
+// A lease names the worker running the call: once the call is no longer running, or the
+// lease has run out, that worker holds nothing (it may be long dead).
+function leaseText(call) {
+  if (!call.lease_owner || call.status !== "running") return null;
+  if (call.lease_expires_at && Date.parse(call.lease_expires_at) <= Date.now()) {
+    return `expired ${ago(call.lease_expires_at)} (was ${call.lease_owner})`;
+  }
+  return `${call.lease_owner}, for ${span(between(new Date().toISOString(), call.lease_expires_at))} more`;
+}
+
+function timed(value) {
+  return value ? `${shortTime(value)} (${ago(value)})` : null;
+}
+
+function renderDetail(detail, { keepForm = false } = {}) {
   const call = detail.call;
   $("detail").hidden = false;
   $("detail-id").textContent = call.id;
+  $("detail-link").href = `${location.pathname}${location.search}#call=${encodeURIComponent(call.id)}`;
   const fields = $("detail-fields");
   fields.replaceChildren();
+  const took = duration(call);
   const shown = [
     ["session", call.session_id], ["turn", call.turn_id], ["call", call.call_id],
     ["tool", call.tool_name], ["effect class", call.effect_class], ["status", call.status],
+    ["outcome", outcomeText(call)],
     ["attempts", call.attempts], ["submissions", call.submissions],
-    ["recorded", shortTime(call.created_at)], ["finished", shortTime(call.finished_at)],
-    ["submitted", shortTime(call.submitted_at)], ["confirmed", shortTime(call.confirmed_at)],
+    ["recorded", timed(call.created_at)], ["finished", timed(call.finished_at)],
+    ["duration", took.text],
+    ["submitted", timed(call.submitted_at)], ["confirmed", timed(call.confirmed_at)],
     ["error stage", call.error_stage], ["error detail", call.error_detail],
     ["last submission error", call.last_submission_error], ["abandoned", call.abandoned_reason],
-    ["lease owner", call.lease_owner],
+    ["lease owner", leaseText(call)],
   ];
   for (const [name, value] of shown) {
     if (value === null || value === undefined || value === "") continue;
@@ -171,27 +317,37 @@ function renderDetail(detail) {
   for (const event of detail.timeline) {
     const row = document.createElement("tr");
     row.dataset.testid = "timeline-row";
-    cell(row, shortTime(event.at));
+    cell(row, shortTime(event.at).slice(11), "time").title = shortTime(event.at);
     cell(row, event.actor);
     cell(row, event.kind);
     cell(row, event.from_status);
     cell(row, event.to_status);
-    cell(row, [event.reason, event.detail].filter(Boolean).join(" | "));
+    cell(row, [event.reason, event.detail].filter(Boolean).join(" | "), "reason");
     timeline.appendChild(row);
   }
   $("resolve").hidden = !call.needs_operator;
-  $("resolve-result").textContent = "";
+  if (!keepForm) $("resolve-result").textContent = "";
 }
 
-async function openCall(id) {
-  clearError();
+async function openCall(id, { quiet = false } = {}) {
+  if (!quiet) clearError();
+  const changed = id !== openCallId;
   openCallId = id;
+  setFragment(`call=${encodeURIComponent(id)}`);
   for (const row of $("rows").children) row.classList.toggle("selected", row.dataset.callId === id);
   try {
-    renderDetail(await api(`/api/calls/${encodeURIComponent(id)}`));
+    renderDetail(await api(`/api/calls/${encodeURIComponent(id)}`), { keepForm: quiet });
+    if (changed && !quiet) $("detail").scrollIntoView({ block: "nearest" });
   } catch (error) {
     showError(error);
   }
+}
+
+function closeCall() {
+  openCallId = null;
+  $("detail").hidden = true;
+  setFragment("");
+  for (const row of $("rows").children) row.classList.remove("selected");
 }
 
 async function resolveOpenCall(event) {
@@ -201,6 +357,12 @@ async function resolveOpenCall(event) {
   const kind = form.elements.kind.value;
   const body = { kind, reason: form.elements.reason.value.trim() };
   if (kind !== "rerun") body.text = form.elements.text.value;
+  const operator = form.elements.operator.value.trim();
+  // The name typed counts only without a token: with one, the token's name is the operator.
+  if (operator && !token()) {
+    body.operator = operator;
+    sessionStorage.setItem(OPERATOR_KEY, operator);
+  }
   const id = openCallId;
   try {
     const answer = await api(`/api/calls/${encodeURIComponent(id)}/resolve`, {
@@ -209,37 +371,132 @@ async function resolveOpenCall(event) {
       body: JSON.stringify(body),
     });
     form.reset();
+    form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
     await openCall(id);
     $("resolve-result").textContent = `Resolved: ${answer.action}; the call is now ${answer.call.status}.`;
-    await loadCalls();
+    await loadCalls({ page: currentPage });
   } catch (error) {
     showError(error);
   }
 }
 
+// ------------------------------------------------------------------------- sessions
+
+function leaseOf(session) {
+  if (!session.owner) return "";
+  if (session.lease_expires_at && Date.parse(session.lease_expires_at) <= Date.now()) return "";
+  return session.owner;
+}
+
+async function loadSessions({ quiet = false } = {}) {
+  if (!quiet) clearError();
+  try {
+    const sessions = await api("/api/sessions?limit=500");
+    const body = $("session-rows");
+    body.replaceChildren();
+    for (const session of sessions) {
+      const row = document.createElement("tr");
+      row.dataset.testid = "session-row";
+      row.dataset.sessionId = session.session_id;
+      cell(row, session.session_id, "id");
+      cell(row, session.watched === null ? "never" : session.watched ? "yes" : "no");
+      cell(row, session.status);
+      cell(row, leaseOf(session), "id");
+      cell(row, ago(session.last_polled_at), "time").title = shortTime(session.last_polled_at);
+      cell(row, Object.entries(session.calls).map(([status, n]) => `${status} ${n}`).join(", "));
+      cell(row, session.reason, "reason");
+      row.addEventListener("click", () => {
+        const form = $("filters");
+        for (const name of FILTERS) if (!["sort", "limit"].includes(name)) form.elements[name].value = "";
+        form.elements.unknown_only.checked = false;
+        form.elements.session_id.value = session.session_id;
+        location.hash = "calls";
+      });
+      body.appendChild(row);
+    }
+    $("sessions-empty").hidden = sessions.length > 0;
+    markRefreshed();
+  } catch (error) {
+    showError(error);
+  }
+}
+
+// --------------------------------------------------------------------- navigation
+
+function route() {
+  const where = fragment();
+  const sessions = where.view === "sessions";
+  $("calls-page").hidden = sessions;
+  $("sessions-page").hidden = !sessions;
+  $("nav-calls").classList.toggle("current", !sessions);
+  $("nav-sessions").classList.toggle("current", sessions);
+  if (sessions) {
+    loadSessions();
+    return;
+  }
+  loadCalls();
+  if (where.view === "call") openCall(where.id);
+  else if (openCallId) closeCall();
+}
+
+async function refresh() {
+  if (loading || document.hidden) return;
+  loading = true;
+  try {
+    if (fragment().view === "sessions") {
+      await loadSessions({ quiet: true });
+    } else {
+      await loadCalls({ page: currentPage, quiet: true });
+      // The open call is read again too, but an operator's half-typed resolution is kept.
+      if (openCallId) await openCall(openCallId, { quiet: true });
+    }
+  } finally {
+    loading = false;
+  }
+}
+
+function scheduleRefresh() {
+  clearInterval(refreshTimer);
+  refreshTimer = null;
+  if ($("auto-refresh").checked) {
+    refreshTimer = setInterval(refresh, Number($("refresh-every").value) * 1000);
+  }
+}
+
 function init() {
   restoreFilters();
+  $("resolve").elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
   $("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
     $("token").value = "";
-    loadCalls();
+    $("operator-label").hidden = Boolean(token());
+    route();
   });
   $("token-forget").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
+    $("operator-label").hidden = false;
     $("rows").replaceChildren();
+    $("counts").replaceChildren();
     $("detail").hidden = true;
   });
+  $("operator-label").hidden = Boolean(token());
   $("filters").addEventListener("submit", (event) => {
     event.preventDefault();
     loadCalls();
   });
-  $("more").addEventListener("click", () => loadCalls({ append: true }));
+  $("more").addEventListener("click", () => loadCalls({ page: Number($("more").dataset.page) }));
+  $("previous").addEventListener("click", () => loadCalls({ page: Number($("previous").dataset.page) }));
+  $("detail-close").addEventListener("click", closeCall);
   $("resolve").addEventListener("submit", resolveOpenCall);
   $("resolve").elements.kind.addEventListener("change", (event) => {
     $("resolve").elements.text.disabled = event.target.value === "rerun";
   });
-  loadCalls();
+  $("auto-refresh").addEventListener("change", scheduleRefresh);
+  $("refresh-every").addEventListener("change", scheduleRefresh);
+  window.addEventListener("hashchange", route);
+  route();
+  scheduleRefresh();
 }
 
 init();
