@@ -143,7 +143,7 @@ def test_a_map_that_is_not_json__named_by_its_variable() -> None:
     assert "alice:abc" not in done.stderr, "the value is never echoed"
 
 
-@pytest.mark.parametrize("command", [("status",), ("sessions", "list"), ("config",)])
+@pytest.mark.parametrize("command", [("status",), ("sessions", "list"), ("config",), ("calls", "list")])
 def test_commands_that_never_talk_to_the_agents_api__do_not_import_openai(
     command: tuple[str, ...], tmp_path: Path
 ) -> None:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -36,13 +36,17 @@ from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus
 from toolledger.errors import CallNotFoundError, ToolLedgerError
-from toolledger.gateway.agents import AgentsGateway
-from toolledger.runtime.executor import Executor, SubmitOutcome
-from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store.audit import AuditStore
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.sessions import SessionStore
+
+if TYPE_CHECKING:
+    # The SDK (through the gateway, the executor and the registry) is needed to submit or re-run
+    # a resolution, not to list, show or export: imported only then, so `calls list` starts fast.
+    from toolledger.gateway.agents import AgentsGateway
+    from toolledger.runtime.executor import Executor
+    from toolledger.runtime.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,8 @@ def configured_gateway(settings: Settings) -> AgentsGateway | None:
     base_url = settings.openai_base_url or ""
     if not key.strip() and not base_url.strip():
         return None
+    from toolledger.gateway.agents import AgentsGateway
+
     return AgentsGateway.connect(
         api_key=key or None, base_url=base_url or None, attempts=settings.submit_attempts
     )
@@ -248,6 +254,9 @@ class AuditService:
         return await self.store.prune(before, dry_run=dry_run, progress=progress)
 
     def _executor(self, store: LedgerStore) -> Executor:
+        from toolledger.runtime.executor import Executor
+        from toolledger.runtime.registry import ToolRegistry
+
         return Executor(
             self.registry or ToolRegistry(),
             store,
@@ -258,10 +267,11 @@ class AuditService:
 
 
 _RESOLVE_ACTIONS = {
-    SubmitOutcome.SUBMITTED: "submitted",
-    SubmitOutcome.ABANDONED: "abandoned",
-    SubmitOutcome.FAILED: "submit_failed",
-    SubmitOutcome.NOT_SENT: "not_sent",
+    # SubmitOutcome's values (a StrEnum, so its members find these keys).
+    "submitted": "submitted",
+    "abandoned": "abandoned",
+    "failed": "submit_failed",
+    "not_sent": "not_sent",
 }
 
 CSV_COLUMNS = [

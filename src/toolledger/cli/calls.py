@@ -921,7 +921,6 @@ async def audit_service(
 ) -> AsyncIterator[AuditService]:
     """An AuditService over the configured ledger (and, to submit, the Agents API)."""
     from toolledger.audit.service import AuditService, configured_gateway
-    from toolledger.ledger import configured_redactor
     from toolledger.store.engine import create_engine
 
     _refuse_missing_sqlite_file(settings.database_url)
@@ -930,9 +929,7 @@ async def audit_service(
     engine = create_engine(settings.database_url, hide_parameters=True)
     gateway = configured_gateway(settings) if submits else None
     try:
-        yield AuditService(
-            engine, settings, redactor=configured_redactor(settings), gateway=gateway, registry=registry
-        )
+        yield AuditService(engine, settings, redactor=settings.redactor(), gateway=gateway, registry=registry)
     finally:
         if gateway is not None:
             await gateway.close()
