@@ -17,7 +17,10 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///toolledger.sqlite3"
 class Settings(BaseSettings):
     """Every option of toolledger; each one is also ``TOOLLEDGER_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="TOOLLEDGER_", env_file=".env", extra="ignore")
+    # A refused value is never quoted in an error: a database URL holds a password, a token is one.
+    model_config = SettingsConfigDict(
+        env_prefix="TOOLLEDGER_", env_file=".env", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str = Field(
         default=DEFAULT_DATABASE_URL,
@@ -148,6 +151,13 @@ class Settings(BaseSettings):
                 break
         _check_database_url(url)
         return url
+
+    @property
+    def agents_api_configured(self) -> bool:
+        """A key or a base URL is set (blank counts as unset): without one nothing is sent to
+        the SDK's defaults (its public address, no key) that nobody chose."""
+        key = self.openai_api_key.get_secret_value() if self.openai_api_key is not None else ""
+        return bool(key.strip() or (self.openai_base_url or "").strip())
 
     def redactor(self) -> Redactor:
         """Redaction with the configured secret field names and the secrets toolledger holds

@@ -17,6 +17,10 @@ from tests.service.serve_process import ServeProcess, run_cli
 from tests.service.workload import every_class_script, start_sessions
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.store import migrate
+from toolledger.store.engine import create_engine
+from toolledger.store.exclusive import SQLiteServiceLock
+from toolledger.store.liveness import liveness_for
+from toolledger.store.sessions import SessionStore
 
 SESSIONS = 6
 RESTARTS = 3
@@ -90,3 +94,33 @@ async def test_serve__sqlite_file_locked_by_another_process__waits_and_loses_not
         assert serve.process.poll() is None, f"serve died:\n{serve.log()}"
 
     await assert_history(emulator, sqlite_url, session_ids, states, effects_file)
+
+
+async def test_liveness__a_postgres_restart_is_not_taken_for_the_death_of_every_replica(
+    private_postgres: PrivatePostgres,
+) -> None:
+    """A restart drops every replica's lock at once; the live ones take theirs again within a
+    second. Meanwhile nobody may be called gone, or a short restart would fence every call
+    running anywhere."""
+    url = private_postgres.url
+    holder_engine = create_engine(url)
+    holder = liveness_for(holder_engine, "holder/0000aaaa", SQLiteServiceLock(url))
+    try:
+        await holder.hold()
+        await SessionStore(holder_engine).heartbeat_replica(
+            holder.holder, hostname="h", pid=1, lease_seconds=30
+        )
+        private_postgres.stop("immediate")
+        private_postgres.start()
+        checker_engine = create_engine(url)
+        try:
+            checker = liveness_for(checker_engine, "checker/0000bbbb", SQLiteServiceLock(url))
+            # The holder's lock went with its connection, and it has not taken it again yet.
+            assert await checker.gone([holder.holder]) == frozenset()
+            await holder.ensure_held()
+            assert await checker.gone([holder.holder]) == frozenset()
+        finally:
+            await checker_engine.dispose()
+    finally:
+        await holder.release()
+        await holder_engine.dispose()

@@ -35,7 +35,7 @@ from toolledger.domain.records import CallRecord
 from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus
-from toolledger.errors import CallNotFoundError, ToolLedgerError
+from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
 from toolledger.settings import Settings
 from toolledger.store.audit import AuditStore
 from toolledger.store.ledger import LedgerStore
@@ -114,10 +114,10 @@ def configured_gateway(settings: Settings) -> AgentsGateway | None:
     its base URL. Without either (unset or blank) there is none, and a resolution is recorded
     and answered ``not_sent``, for `serve` to submit: the SDK's defaults (its public address,
     a placeholder key) must not become a destination nobody chose."""
+    if not settings.agents_api_configured:
+        return None
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key is not None else ""
     base_url = settings.openai_base_url or ""
-    if not key.strip() and not base_url.strip():
-        return None
     from toolledger.gateway.agents import AgentsGateway
 
     return AgentsGateway.connect(
@@ -229,11 +229,13 @@ class AuditService:
                 raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
             if self.registry is None:
                 return ResolveReport(call_view(reopened, self.redactor), "left_for_service")
-            report = await self._executor(operator_store).handle_recorded(reopened)
+            try:
+                report = await self._executor(operator_store).handle_recorded(reopened)
+                action = "rerun" if report.submitted else report.action
+            except AgentsAuthError as error:
+                action = _refused_submission(call, error)
             latest = await self.find_one(CallReference(key=call.key))
-            return ResolveReport(
-                call_view(latest, self.redactor), "rerun" if report.submitted else report.action
-            )
+            return ResolveReport(call_view(latest, self.redactor), action)
         assert resolution.text is not None
         outcome = (
             succeeded(call.key, resolution.text)
@@ -243,9 +245,12 @@ class AuditService:
         settled = await operator_store.settle(call.key, outcome, reason=why)
         if settled is None:
             raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
-        submitted = await self._executor(operator_store).submit(settled, listed=False)
+        try:
+            action = _RESOLVE_ACTIONS[await self._executor(operator_store).submit(settled, listed=False)]
+        except AgentsAuthError as error:
+            action = _refused_submission(call, error)
         latest = await self.find_one(CallReference(key=call.key))
-        return ResolveReport(call_view(latest, self.redactor), _RESOLVE_ACTIONS[submitted])
+        return ResolveReport(call_view(latest, self.redactor), action)
 
     async def prune(self, older_than: timedelta, *, dry_run: bool = False, progress: Any = None) -> int:
         if older_than <= timedelta(0):
@@ -264,6 +269,13 @@ class AuditService:
             self.settings,
             run_handlers=self.registry is not None,
         )
+
+
+def _refused_submission(call: CallRecord, error: AgentsAuthError) -> str:
+    """The resolution is on the record; only its submission was refused (the key): say so,
+    and leave it for `serve` to submit once the credentials are fixed."""
+    log.warning("call %s: resolved, but not submitted: %s", call.key, error)
+    return "submit_failed"
 
 
 _RESOLVE_ACTIONS = {

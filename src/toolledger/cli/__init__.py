@@ -193,14 +193,20 @@ def serve(
     )
     configure_logging(log_level, settings)
     api_app = _audit_app(settings, registry) if with_api else None
-    cut_off = run(_serve(registry, settings, watch_ids, api_app, log_level))
+    cut_off, failure = run(_serve(registry, settings, watch_ids, api_app, log_level))
     if cut_off:
-        # A handler thread cut off at shutdown may never return: don't wait for it.
+        # A handler thread cut off at shutdown may never return: don't wait for it (the
+        # process's liveness lock goes with it, and its calls are taken over at once).
+        if failure is not None:
+            click.echo(f"Error: {failure}", err=True)
         logging.shutdown()
         sys.stdout.flush()
+        sys.stderr.flush()
         import os
 
-        os._exit(0)
+        os._exit(1 if failure is not None else 0)
+    if failure is not None:
+        raise click.ClickException(str(failure))
 
 
 def _audit_app(settings: Settings, registry: ToolRegistry) -> FastAPI:
@@ -222,7 +228,8 @@ async def _serve(
     watch_ids: tuple[str, ...],
     api_app: FastAPI | None = None,
     log_level: str = "info",
-) -> int:
+) -> tuple[int, BaseException | None]:
+    """Serve until a signal or a fatal failure: how many calls were cut off, and the failure."""
     from toolledger.runtime.service import Service
 
     service = Service(registry, settings)
@@ -245,9 +252,7 @@ async def _serve(
         cut_off = await service.stop()
         if api_task is not None:
             await _finish_api(api_task, settings)
-    if service.failure is not None:
-        raise service.failure
-    return cut_off
+    return cut_off, service.failure
 
 
 def _start_api(app: FastAPI, settings: Settings, stop: asyncio.Event, log_level: str) -> asyncio.Task[None]:

@@ -32,6 +32,7 @@ FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
 
 MAX_RETRY_AFTER = 60.0
 CONNECT_TIMEOUT = 10.0
+CHECK_TIMEOUT = 10.0
 DISCOVERY_PAGE = 100
 
 
@@ -135,7 +136,9 @@ class AgentsGateway:
         """One cheap authenticated read: AgentsAuthError when the credentials are refused,
         AgentsUnavailableError when the API cannot be reached."""
         try:
-            await self.client.beta.agents.sessions.list(limit=1)
+            # Bounded: an API that accepts the connection and never answers must not hold
+            # the start (and the recovery after it) for the SDK's default ten minutes.
+            await self.client.beta.agents.sessions.list(limit=1, timeout=CHECK_TIMEOUT)
         except (openai.AuthenticationError, openai.PermissionDeniedError) as error:
             # Refused before any session is named: the key cannot use the Agents API at all.
             raise _auth_error(error) from error

@@ -81,8 +81,6 @@ class Service:
         self._lock = self.ledger.serve_lock
         self._leases: dict[str, int] = {}
         self._wakes: dict[str, asyncio.TimerHandle] = {}
-        self._gone: set[str] = set()
-        """Replicas found gone and taken over (an instance id is never reused)."""
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
@@ -104,7 +102,7 @@ class Service:
     # ------------------------------------------------------------------ life
 
     async def start(self) -> Service:
-        if self._own_gateway and not (self.settings.openai_api_key or self.settings.openai_base_url):
+        if self._own_gateway and not self.settings.agents_api_configured:
             raise ConfigurationError(
                 "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY for the OpenAI API, or "
                 "TOOLLEDGER_OPENAI_BASE_URL for another server (a `toolledger emulator`, say)"
@@ -134,15 +132,20 @@ class Service:
             run_call=self._runner.run,
             in_flight=self._runner.is_running,
         )
-        # Recovery after a crash: every session with a call it may still await is followed,
-        # and each follower reconciles its session before anything else.
-        recovered = await self._sessions.watch_new(await self._sessions.with_open_calls())
-        if recovered:
-            log.info("recovery: %d session(s) with open calls are watched again", recovered)
-        await self._take_over_gone()
-        # Said before any follower starts: "serving" then comes before the first call's work.
-        await self._say_what_recovery_waits_for()
-        await self._balance()
+        try:
+            # Recovery after a crash: every session with a call it may still await is
+            # followed, and each follower reconciles its session before anything else.
+            recovered = await self._sessions.watch_new(await self._sessions.with_open_calls())
+            if recovered:
+                log.info("recovery: %d session(s) with open calls are watched again", recovered)
+            await self._take_over_gone()
+            # Said before any follower starts: "serving" then comes before the first call's work.
+            await self._say_what_recovery_waits_for()
+            await self._balance()
+        except BaseException:
+            # Nothing is left holding the locks of a service that never started.
+            await self.stop(grace=0)
+            raise
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="session leases"),
             asyncio.create_task(self._reconcile_loop(), name="periodic reconcile"),
@@ -212,8 +215,8 @@ class Service:
                 try:
                     await self._sessions.release(self.replica_id)
                     if cut_off:
-                        # Kept, not deleted: the calls cut off still name this replica, and
-                        # with its lock given back below they are taken over without waiting.
+                        # Kept, not deleted: the calls cut off still name this replica; once
+                        # the process has exited (its locks with it) they are taken at once.
                         await self._sessions.retire_replicas([self.replica_id])
                     else:
                         await self._sessions.remove_replica(self.replica_id)
@@ -223,12 +226,18 @@ class Service:
             for handle in self._wakes.values():
                 handle.cancel()
             self._wakes.clear()
-            try:
-                await self.ledger.liveness.release()
-            except Exception:
-                log_failure(log, "shutdown: could not release the liveness lock; it goes with the process")
+            if cut_off:
+                # A handler cut off in a thread may still be running its side effect: this
+                # process must not read as gone before it exits, so its locks stay held.
+                log.warning("shutdown: the liveness lock stays held until this process exits")
+            else:
+                try:
+                    await self.ledger.liveness.release()
+                except Exception:
+                    log_failure(log, "shutdown: the liveness lock was not released; it goes with the process")
             await self.ledger.close()
-            self._lock.release()
+            if not cut_off:
+                self._lock.release()
             self._stopped.set()
             log.info("replica %s stopped", self.replica_id)
         return cut_off
@@ -292,6 +301,11 @@ class Service:
             self._wake_leases.clear()
             try:
                 await self.ledger.liveness.ensure_held()
+            except Exception:
+                # Peers may take this replica for gone meanwhile (its calls are then fenced, as
+                # after a lease expiry); the sessions' own leases are renewed all the same.
+                log_failure(log, "the liveness lock could not be taken again; retrying")
+            try:
                 # A replica that died leaves its sessions and calls under live leases: taken
                 # now, not when those run out.
                 woken = await self._take_over_gone() or woken
@@ -342,12 +356,12 @@ class Service:
     async def _take_over_gone(self) -> bool:
         """Retire the replicas provably gone (store.liveness): free their session leases and
         make their running calls ``unknown``, to be settled by effect class. True if any."""
+        # Only those that still hold something: once taken over, a replica holds nothing and
+        # is not looked at again (and one wrongly taken for gone is, once it holds again).
         holding = await self.sessions.holders() | await self.ledger.store.running_owners()
-        candidates = holding - self._gone - {self.replica_id}
-        gone = await self.ledger.liveness.gone(candidates)
+        gone = await self.ledger.liveness.gone(holding - {self.replica_id})
         if not gone:
             return False
-        self._gone |= gone
         freed = await self.sessions.retire_replicas(gone)
         taken = await self.ledger.store.expire_leases(gone_owners=gone)
         named = sorted(gone)

@@ -29,7 +29,9 @@ class SQLiteServiceLock:
         self.database = database
         # PostgreSQL shares sessions between processes through leases: nothing to lock.
         on_file = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
-        self.path = Path(f"{database}.serve.lock") if on_file else None
+        # The file's real path: two spellings of one ledger (a symlinked directory, "./")
+        # must meet at one lock, or two serves would each think the other gone.
+        self.path = Path(f"{Path(database).resolve()}.serve.lock") if on_file and database else None
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:

@@ -12,9 +12,12 @@ drops with the process. What "provably" means per database:
   by SIGKILL: the kernel closes its socket) or its connection was cut. A registered replica
   whose lock can be taken (a shared, transaction-scoped try in an autocommit statement,
   released as it ends) is gone. A paused replica keeps its connection, so it is not gone.
-  A connection cut while the process lives (a server restart, a network cut) reads as
-  gone: its calls are then handled exactly as at lease expiry (fenced by token,
-  ``at_most_once`` calls become ``unknown``, never re-run), only sooner.
+  A server restart drops every replica's connection at once: for ``RESTART_GRACE_SECONDS``
+  after the server (re)started nobody is called gone, while the live ones take their locks
+  again (each within a second). A connection cut while the process and the server live (a
+  network cut of one replica) still reads as gone: its calls are then handled exactly as at
+  lease expiry (fenced by token, ``at_most_once`` calls become ``unknown``, never re-run),
+  only sooner.
 - SQLite: one `serve` per file holds an exclusive ``flock`` on ``<database>.serve.lock``,
   which the kernel drops when the process dies. A process holding that lock knows every
   other registered replica is gone; a process without it proves nothing.
@@ -38,6 +41,9 @@ from toolledger.store.schema import replicas
 
 log = logging.getLogger("toolledger.liveness")
 
+RESTART_GRACE_SECONDS = 10.0
+"""After a PostgreSQL (re)start, how long every free lock is taken for a connection still
+being re-made, not for a death."""
 LOCK_CLASS = 0x746C6C76
 """The first key of toolledger's advisory locks ("tllv"): apps' own advisory locks on the
 same database use other keys."""
@@ -131,8 +137,10 @@ class PostgresLiveness(Liveness):
             return frozenset()
         # The try-lock is shared and transaction-scoped: two checkers never block each other,
         # and the lock is given back as this autocommit statement ends.
+        server_up = func.extract("epoch", func.clock_timestamp() - func.pg_postmaster_start_time())
         query = select(replicas.c.replica_id).where(
             replicas.c.replica_id.in_(candidates),
+            server_up > RESTART_GRACE_SECONDS,
             func.pg_try_advisory_xact_lock_shared(LOCK_CLASS, func.hashtext(replicas.c.replica_id)),
         )
         async with self.engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
