@@ -482,8 +482,8 @@ async def _counts(settings: Settings, query: CallQuery) -> CallCountsView:
 @click.option("--json", "as_json", is_flag=True, help="Print the call and its timeline as JSON.")
 @database_option
 def show_call(reference: str, as_json: bool, database_url: str | None) -> None:
-    """One call and its timeline. REFERENCE: its tl_ id (or a unique prefix of it),
-    SESSION/TURN/CALL, or its call id."""
+    """One call and its timeline. REFERENCE: its tl_ id (or a unique prefix of it, from tl_
+    and 4 hex digits), SESSION/TURN/CALL, or its call id."""
     _check_text(reference, "REFERENCE")
     settings = settings_from(database_url=database_url)
     detail = execute(_show(settings, reference))
