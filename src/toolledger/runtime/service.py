@@ -214,30 +214,22 @@ class Service:
             if self._sessions is not None:
                 try:
                     await self._sessions.release(self.replica_id)
-                    if cut_off:
-                        # Kept, not deleted: the calls cut off still name this replica; once
-                        # the process has exited (its locks with it) they are taken at once.
-                        await self._sessions.retire_replicas([self.replica_id])
-                    else:
-                        await self._sessions.remove_replica(self.replica_id)
+                    # Unregistered, the replica is never "provably gone": calls cut off above
+                    # (a handler thread may still be at work) are taken when their leases run
+                    # out, not as soon as the locks below are given back.
+                    await self._sessions.remove_replica(self.replica_id)
                 except Exception:
                     log_failure(log, "shutdown: could not release session leases; they expire on their own")
         finally:
             for handle in self._wakes.values():
                 handle.cancel()
             self._wakes.clear()
-            if cut_off:
-                # A handler cut off in a thread may still be running its side effect: this
-                # process must not read as gone before it exits, so its locks stay held.
-                log.warning("shutdown: the liveness lock stays held until this process exits")
-            else:
-                try:
-                    await self.ledger.liveness.release()
-                except Exception:
-                    log_failure(log, "shutdown: the liveness lock was not released; it goes with the process")
+            try:
+                await self.ledger.liveness.release()
+            except Exception:
+                log_failure(log, "shutdown: the liveness lock was not released; it goes with the process")
             await self.ledger.close()
-            if not cut_off:
-                self._lock.release()
+            self._lock.release()
             self._stopped.set()
             log.info("replica %s stopped", self.replica_id)
         return cut_off
