@@ -17,7 +17,6 @@ from typing import Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from toolledger.domain.redaction import Redactor
 from toolledger.errors import SchemaNotCurrentError
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.runtime.executor import Executor, HandleReport, RecoveryReport
@@ -32,11 +31,6 @@ from toolledger.store.liveness import Liveness, liveness_for
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def configured_redactor(settings: Settings) -> Redactor:
-    """``settings.redactor()``: kept for the callers that import it from here."""
-    return settings.redactor()
 
 
 class ToolLedger:
@@ -72,7 +66,7 @@ class ToolLedger:
         backend = make_url(self.settings.database_url).get_backend_name()
         self._auto_migrate = auto_migrate if auto_migrate is not None else backend == "sqlite"
         self._executor: Executor | None = None
-        self.redactor = configured_redactor(self.settings)
+        self.redactor = self.settings.redactor()
 
     async def start(self) -> ToolLedger:
         url = self.settings.database_url

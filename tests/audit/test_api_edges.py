@@ -456,19 +456,9 @@ def test_metrics_token__weak_or_shared_is_refused(sqlite_url: str) -> None:
 
 
 def test_metrics_token__masked_in_logs_and_config(sqlite_url: str) -> None:
-    from toolledger.audit.api import api_redactor
-
+    # The redaction every command's log and the API use.
     settings = api_settings(sqlite_url, metrics_token=SCRAPER)
-    assert SCRAPER not in api_redactor(settings).text(f"scraped with {SCRAPER}")
+    assert SCRAPER not in settings.redactor().text(f"scraped with {SCRAPER}")
     shown = CliRunner().invoke(main, ["config", "--json"], env={"TOOLLEDGER_METRICS_TOKEN": SCRAPER}).stdout
     assert "TOOLLEDGER_METRICS_TOKEN" in shown
     assert SCRAPER not in shown
-
-
-def test_metrics_token__masked_by_every_command_s_log_redactor() -> None:
-    from toolledger.ledger import configured_redactor
-    from toolledger.settings import Settings
-
-    token = "scrape-0123456789abcdef"  # noqa: S105 - a test's own token
-    redactor = configured_redactor(Settings(metrics_token=SecretStr(token)))
-    assert token not in redactor.text(f"scraping with {token} failed")

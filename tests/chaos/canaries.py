@@ -55,7 +55,7 @@ class Canary:
     plantings: tuple[tuple[str, str], ...]
     """(text carrying the secret, the same text once redacted), each self-contained."""
     configured: bool = False
-    """Only a redactor configured with it (``configured_redactor``) can mask it."""
+    """Only a redactor configured with it (``Settings.redactor()``) can mask it."""
 
     @property
     def planted(self) -> str:

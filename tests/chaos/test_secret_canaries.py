@@ -74,7 +74,7 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.ledger import ToolLedger, configured_redactor
+from toolledger.ledger import ToolLedger
 from toolledger.runtime.reconciler import Reconciler
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
@@ -244,9 +244,9 @@ def _every_canary() -> list[Canary]:
 
 def _full_redactor() -> Redactor:
     """As a ledger on PostgreSQL with the canary key, password and custom field configures it."""
-    return configured_redactor(
-        configured_settings(CANARIES.postgres_url("postgresql+psycopg://shop@127.0.0.1:5432/shop"))
-    )
+    return configured_settings(
+        CANARIES.postgres_url("postgresql+psycopg://shop@127.0.0.1:5432/shop")
+    ).redactor()
 
 
 @pytest.mark.parametrize("canary", _every_canary(), ids=lambda c: c.name)

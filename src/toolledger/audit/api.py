@@ -87,7 +87,6 @@ from toolledger.errors import (
     TransitionError,
 )
 from toolledger.gateway.agents import AgentsGateway
-from toolledger.ledger import configured_redactor
 from toolledger.metrics import LedgerCollector, LedgerSnapshot
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
@@ -242,7 +241,7 @@ def create_app(
             "no API token configured: anyone on this machine can read and resolve calls "
             "(set TOOLLEDGER_API_TOKENS to require one)"
         )
-    redactor = api_redactor(settings)
+    redactor = settings.redactor()
     app = FastAPI(
         title="toolledger audit API",
         version=__version__,
@@ -283,16 +282,6 @@ def create_app(
         app.mount("/ui", StaticFiles(directory=WEB_DIRECTORY, html=True), name="ui")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
-
-
-def api_redactor(settings: Settings) -> Redactor:
-    """The configured redaction, which masks the API tokens (and the metrics token) too: none
-    may reach a log line."""
-    if settings.metrics_token is not None:
-        # Masked like one more token: configured_redactor masks every token it is given.
-        extra = {**settings.api_read_tokens, "\x00metrics": settings.metrics_token}
-        settings = settings.model_copy(update={"api_read_tokens": extra})
-    return configured_redactor(settings)
 
 
 def _pool_options(settings: Settings) -> dict[str, Any]:
@@ -1003,4 +992,4 @@ async def api_server_task(
     )
 
 
-__all__ = ["ApiState", "api_redactor", "api_server_task", "create_app", "listening_socket", "serve_api"]
+__all__ = ["ApiState", "api_server_task", "create_app", "listening_socket", "serve_api"]
