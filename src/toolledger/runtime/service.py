@@ -172,7 +172,7 @@ class Service:
                 held,
                 soonest.strftime("%H:%M:%S") if soonest is not None else "?",
             )
-        unknown = (await store.count_by_status()).get(CallStatus.UNKNOWN.value, 0)
+        unknown = await store.count_in(CallStatus.UNKNOWN)
         if unknown:
             log.warning(
                 "recovery: %d call(s) have an unknown outcome; those of at_most_once tools wait for "

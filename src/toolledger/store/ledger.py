@@ -596,6 +596,13 @@ class LedgerStore:
             )
             return [_record(row) for row in rows]
 
+    async def count_in(self, status: CallStatus) -> int:
+        """Calls in one state: a claimable one counts through its partial index, not a scan of
+        every call ever recorded (``count_by_status``)."""
+        async with self.engine.connect() as conn:
+            counted = select(func.count()).where(tool_calls.c.status == status.value)
+            return int((await conn.execute(counted)).scalar_one())
+
     async def count_by_status(self) -> dict[str, int]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(select(tool_calls.c.status, func.count()).group_by(tool_calls.c.status))
