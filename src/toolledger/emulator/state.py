@@ -12,10 +12,10 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -54,6 +54,29 @@ KEEPALIVE_SECONDS = 15.0
 """An idle stream sends an SSE comment this often, so proxies keep it open."""
 
 TERMINAL_TURN_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+
+class _Listed(Protocol):
+    id: str
+
+    def json(self) -> dict[str, Any]: ...
+
+
+def _page(ordered: Sequence[_Listed], *, limit: int, after: str | None, what: str) -> dict[str, Any]:
+    """One page of a list, after the item ``after``, as the API's cursor pages are."""
+    if after is not None:
+        ids = [item.id for item in ordered]
+        if after not in ids:
+            raise EmulatorAPIError(400, f"Invalid 'after': no {what} '{after}'.", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": [item.json() for item in page],
+        "first_id": page[0].id if page else None,
+        "last_id": page[-1].id if page else None,
+        "has_more": len(ordered) > len(page),
+    }
 
 
 class EmulatorAPIError(Exception):
@@ -333,19 +356,7 @@ class EmulatorState:
 
     def list_agents(self, *, limit: int, after: str | None, order: str) -> dict[str, Any]:
         ordered = sorted(self.agents.values(), key=lambda a: a.seq, reverse=order == "desc")
-        if after is not None:
-            ids = [a.id for a in ordered]
-            if after not in ids:
-                raise EmulatorAPIError(400, f"Invalid 'after': no agent '{after}'.", param="after")
-            ordered = ordered[ids.index(after) + 1 :]
-        page = ordered[:limit]
-        return {
-            "object": "list",
-            "data": [a.json() for a in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(ordered) > len(page),
-        }
+        return _page(ordered, limit=limit, after=after, what="agent")
 
     def delete_agent(self, agent_id: str) -> dict[str, Any]:
         # Sessions already created keep the agent they were created with, as the service's do.
@@ -457,19 +468,7 @@ class EmulatorState:
             if (agent_id is None or s.agent["id"] == agent_id)
             and all(s.metadata.get(k) == v for k, v in metadata.items())
         ]
-        if after is not None:
-            ids = [s.id for s in matching]
-            if after not in ids:
-                raise EmulatorAPIError(400, f"Invalid 'after': no session '{after}'.", param="after")
-            matching = matching[ids.index(after) + 1 :]
-        page = matching[:limit]
-        return {
-            "object": "list",
-            "data": [s.json() for s in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(matching) > len(page),
-        }
+        return _page(matching, limit=limit, after=after, what="session")
 
     def delete_session(self, session_id: str) -> dict[str, Any]:
         session = self.session(session_id)
