@@ -18,10 +18,10 @@ from toolledger.settings_reference import options, reference_markdown
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _config(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+def _toolledger(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
     return subprocess.run(
-        [sys.executable, "-m", "toolledger.cli", "config", *args],
+        [sys.executable, "-m", "toolledger.cli", *args],
         env={**env, **environment},
         cwd=ROOT,
         capture_output=True,
@@ -29,6 +29,10 @@ def _config(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+def _config(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    return _toolledger("config", *args, **environment)
 
 
 def test_docs_configuration__is_what_the_model_generates() -> None:
@@ -88,19 +92,6 @@ def test_config__bad_values__exit_2_naming_the_variable_without_echoing_the_valu
     assert "lists and maps are JSON" in not_json.stderr
     assert "config-canary-token-0004" not in not_json.stderr
     assert "Traceback" not in not_json.stderr
-
-
-def _toolledger(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "toolledger.cli", *args],
-        env={**env, **environment},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.ledger.claimer import RACE_LEASE_SECONDS, TOOL_NAME, hold_key, race_key
 from toolledger.domain.records import Recorded
 from toolledger.domain.results import succeeded
 from toolledger.domain.states import CallStatus, EffectClass
-from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,15 +40,6 @@ AFTER_SHORT_LEASE = 0.2
 
 class RecordRaceError(AssertionError):
     """A worker's ``record`` raised instead of finding the call its rival had just recorded."""
-
-
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 def present(path: Path) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,15 +32,6 @@ SHORT_LEASE = 0.05
 AFTER_SHORT_LEASE = 0.2
 LEAKED_KEY = "sk-proj-ABCDEFGHIJKLMNOP"
 ARGUMENTS: dict[str, Any] = {"amount": 7, "currency": "EUR", "note": "café"}
-
-
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture

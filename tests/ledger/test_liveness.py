@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,15 +31,6 @@ from toolledger.store.liveness import LOCK_CLASS, Liveness, liveness_for
 from toolledger.store.sessions import SessionStore
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture

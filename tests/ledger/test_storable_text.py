@@ -5,29 +5,17 @@ spelled as escapes and give the same answer."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import EffectClass
-from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import storable_text
 from toolledger.store.sessions import SessionStore
 
 HOSTILE = "a\x00b\ud800c"
 STORED = "a\\u0000b\\ud800c"
-
-
-@pytest.fixture
-async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(database_url)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 def test_the_rule__escapes_only_what_postgresql_refuses() -> None:

@@ -86,19 +86,20 @@ async def _wait_for(
         await asyncio.sleep(0.05)
 
 
+async def _serve_killed_inside_its_handler(database_url: str, base_url: str, log: Path) -> None:
+    """A `serve` with the default timers, armed to SIGKILL itself inside the first handler."""
+    with ServeProcess(
+        database_url, base_url, log, crash_at="inside_handler", settings=DEFAULT_TIMERS
+    ) as crashing:
+        code = await asyncio.to_thread(crashing.wait_exit, 60.0)
+    assert code == -signal.SIGKILL, crashing.log()
+
+
 async def test_serve_sigkilled_inside_a_call__restarted_at_once__answered_in_seconds(
     database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
 ) -> None:
     session_id = await _one_call_session(emulator, database_url, "notify", message="hello")
-    with ServeProcess(
-        database_url,
-        emulator.base_url,
-        tmp_path / "serve-1.log",
-        crash_at="inside_handler",
-        settings=DEFAULT_TIMERS,
-    ) as crashing:
-        code = await asyncio.to_thread(crashing.wait_exit, 60.0)
-    assert code == -signal.SIGKILL, crashing.log()
+    await _serve_killed_inside_its_handler(database_url, emulator.base_url, tmp_path / "serve-1.log")
     held = await _only_call(database_url, session_id)
     assert held.status is CallStatus.RUNNING, "the dead process held the call under a live lease"
 
@@ -334,14 +335,7 @@ async def test_unknown_call_with_a_deadline__given_up_when_it_passes__not_at_the
     database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
 ) -> None:
     session_id = await _one_call_session(emulator, database_url, "hold_funds", cents=5)
-    with ServeProcess(
-        database_url,
-        emulator.base_url,
-        tmp_path / "serve-1.log",
-        crash_at="inside_handler",
-        settings=DEFAULT_TIMERS,
-    ) as crashing:
-        assert await asyncio.to_thread(crashing.wait_exit, 60.0) == -signal.SIGKILL
+    await _serve_killed_inside_its_handler(database_url, emulator.base_url, tmp_path / "serve-1.log")
     with ServeProcess(
         database_url, emulator.base_url, tmp_path / "serve-2.log", settings=DEFAULT_TIMERS
     ) as restarted:
