@@ -460,6 +460,46 @@ async def test_unknown_idempotent_call__is_run_again_with_the_same_key(
     assert len(accepted_payloads(emulator, session_id)) == 1
 
 
+async def test_call_for_an_unregistered_tool__is_stored_as_unregistered_and_answered_with_a_lookup_failure(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    session_id, [action] = await pending_actions(emulator, [("no_such_tool", {"cents": 1})])
+    async with running_ledger(ToolRegistry(), database_url, emulator) as ledger:
+        report = await ledger.handle(session_id, action)
+        call = await ledger.store.get(report.key)
+
+    assert call is not None
+    assert call.effect_class is EffectClass.UNREGISTERED
+    assert (call.status, call.error_stage) == (CallStatus.SUBMITTED, "lookup")
+
+
+async def test_unregistered_call_cut_off_by_a_crash__keeps_its_lookup_failure_once_the_tool_is_registered(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """A deployment that adds the tool must not change the answer to a call that arrived
+    before it: the call was recorded unregistered, so no handler ever runs for it."""
+    registry = ToolRegistry()
+    runs: list[int] = []
+
+    @registry.tool(effect="idempotent")
+    def late_tool(cents: int) -> str:
+        runs.append(cents)
+        return "ran"
+
+    session_id, [action] = await pending_actions(emulator, [("late_tool", {"cents": 1})])
+    async with running_ledger(registry, database_url, emulator) as ledger:
+        key = await _interrupted(ledger, session_id, action, EffectClass.UNREGISTERED)
+        report = await ledger.recover()
+        call = await ledger.store.get(key)
+
+    assert report.actions["rerun"] == 1
+    assert runs == []
+    assert call is not None
+    assert (call.status, call.error_stage) == (CallStatus.SUBMITTED, "lookup")
+    [payload] = accepted_payloads(emulator, session_id)
+    assert payload["error"] == "Unknown tool: late_tool"
+
+
 async def test_unknown_at_most_once_call__waits_for_an_operator(
     sqlite_url: str, emulator: EmulatorServer
 ) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,45 @@ def test_each_revision__downgrades_and_upgrades_again_one_step_at_a_time(empty_u
         migrate.downgrade(empty_url, down or "base")
         assert schema_snapshot(empty_url) == snapshots[down]
     assert table_names(empty_url) <= {VERSION_TABLE}
+
+
+def test_upgrade_0004__calls_and_their_events_kept__unregistered_allowed__downgrade_maps_it_back(
+    empty_url: str,
+) -> None:
+    """0004 copies tool_calls on SQLite: no call, no event (a cascade would delete them) and no
+    other constraint may be lost on the way."""
+    migrate.upgrade(empty_url, "0003")
+    insert_call = text(
+        "INSERT INTO tool_calls (session_id, turn_id, call_id, tool_name, arguments, arguments_sha256, "
+        "status, effect_class, idempotency_key, created_at, updated_at) "
+        "VALUES ('s', 't', :call_id, 'charge', '{}', 'x', 'pending', :effect, :call_id, :now, :now)"
+    )
+    now = datetime(2026, 12, 4, 18, tzinfo=UTC)
+    engine = sync_engine_for(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert_call, {"call_id": "c", "effect": "at_most_once", "now": now})
+            conn.execute(
+                text(
+                    "INSERT INTO tool_call_events (session_id, turn_id, call_id, at, actor, kind) "
+                    "VALUES ('s', 't', 'c', :now, 'w', 'recorded')"
+                ),
+                {"now": now},
+            )
+        migrate.upgrade(empty_url)
+        with engine.begin() as conn:
+            conn.execute(insert_call, {"call_id": "c2", "effect": "unregistered", "now": now})
+            with pytest.raises(Exception, match=r"(?i)check"), conn.begin_nested():
+                conn.execute(text("UPDATE tool_calls SET status = 'bogus' WHERE call_id = 'c'"))
+            assert conn.execute(text("SELECT count(*) FROM tool_call_events")).scalar() == 1
+            assert conn.execute(text("SELECT count(*) FROM tool_calls")).scalar() == 2
+        migrate.downgrade(empty_url, "0003")
+        with engine.connect() as conn:
+            effects = conn.execute(text("SELECT call_id, effect_class FROM tool_calls ORDER BY call_id"))
+            assert effects.all() == [("c", "at_most_once"), ("c2", "read_only")]
+            assert conn.execute(text("SELECT count(*) FROM tool_call_events")).scalar() == 1
+    finally:
+        engine.dispose()
 
 
 # --- no drift between migrations and metadata --------------------------------------------------------

@@ -450,6 +450,12 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
         pytest.param({"timeout": -1.5}, "timeout must be positive", id="negative-timeout"),
         pytest.param({"unknown_deadline": -1}, "unknown_deadline must be >= 0", id="negative-deadline"),
         pytest.param({"max_attempts": 0}, "max_attempts must be >= 1", id="zero-max-attempts"),
+        pytest.param(
+            {"effect": "unregistered"},
+            r"unknown effect class 'unregistered' \(one of at_most_once, idempotent, read_only, "
+            r"transactional, verified\)",
+            id="unregistered-is-not-declarable",
+        ),
     ],
 )
 def test_tool_options__invalid__are_refused_with_a_message_naming_the_tool(

@@ -68,7 +68,15 @@ class EffectClass(StrEnum):
     """Writes through the ledger's transaction: effect and result commit together."""
     VERIFIED = "verified"
     """A verify hook asks the downstream system whether the first run happened."""
+    UNREGISTERED = "unregistered"
+    """No tool of that name was registered when the call arrived: no handler ever runs for it;
+    it is answered with a lookup failure, however often it is retried."""
 
     @property
     def rerun_is_safe(self) -> bool:
-        return self in (EffectClass.IDEMPOTENT, EffectClass.READ_ONLY, EffectClass.TRANSACTIONAL)
+        return self in (
+            EffectClass.IDEMPOTENT,
+            EffectClass.READ_ONLY,
+            EffectClass.TRANSACTIONAL,
+            EffectClass.UNREGISTERED,
+        )

@@ -194,8 +194,7 @@ class Executor:
             key,
             tool_name=name,
             arguments=arguments,
-            # A name we don't know runs no handler: nothing to fear from a second try.
-            effect_class=tool.effect if tool is not None else EffectClass.READ_ONLY,
+            effect_class=tool.effect if tool is not None else EffectClass.UNREGISTERED,
             lease_seconds=self.settings.lease_seconds,
             # Arguments no handler will see are not kept whole (they may be huge, or hold
             # what was meant for nobody): a redacted preview, beside the full fingerprint.
@@ -316,10 +315,18 @@ class Executor:
             claimed = await self._claim(call.key, CallStatus.PENDING, "claimed")
             if claimed is None:
                 return HandleReport(call.key, "running_elsewhere", None)
-            return await self._run_and_submit(self.registry.get(call.tool_name), claimed, "executed")
+            return await self._run_and_submit(self._tool_of(call), claimed, "executed")
         if call.status is CallStatus.UNKNOWN:
             return await self._settle_unknown(call)
         return HandleReport(call.key, "nothing_to_do", call.status)
+
+    def _tool_of(self, call: CallRecord) -> RegisteredTool | None:
+        """The handler for a recorded call. A call that arrived for a tool no one had registered
+        keeps its lookup failure even if a later deployment registers the name: its answer
+        must not depend on when a crash let it be retried."""
+        if call.effect_class is EffectClass.UNREGISTERED:
+            return None
+        return self.registry.get(call.tool_name)
 
     async def take_over(self, call: CallRecord) -> list[CallRecord]:
         """A running call whose lease ran out, or whose owner is provably gone, becomes
@@ -347,7 +354,7 @@ class Executor:
 
     async def _settle_unknown(self, call: CallRecord) -> HandleReport:
         """An interrupted run left no result: decide by the tool's effect class, never by guessing."""
-        tool = self.registry.get(call.tool_name)
+        tool = self._tool_of(call)
         effect = tool.effect if tool is not None else call.effect_class
         if effect is EffectClass.VERIFIED and tool is not None:
             kind, outcome = await self._verify(tool, call)

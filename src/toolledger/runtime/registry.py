@@ -193,13 +193,11 @@ class ToolRegistry:
         unknown_deadline: float | None,
         max_attempts: int | None,
     ) -> None:
-        try:
-            effect_class = EffectClass(effect)
-        except ValueError:
-            known = ", ".join(e.value for e in EffectClass)
-            raise RegistryError(
-                f"tool {tool.name!r}: unknown effect class {effect!r} (one of {known})"
-            ) from None
+        declarable = [e.value for e in EffectClass if e is not EffectClass.UNREGISTERED]
+        if effect not in declarable:
+            known = ", ".join(declarable)
+            raise RegistryError(f"tool {tool.name!r}: unknown effect class {effect!r} (one of {known})")
+        effect_class = EffectClass(effect)
         if tool.name in self._tools:
             raise RegistryError(f"a tool named {tool.name!r} is already registered")
         if effect_class is EffectClass.VERIFIED and verify is None:
