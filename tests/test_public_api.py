@@ -6,9 +6,13 @@ import sys
 import toolledger
 
 
-def test_public_api__every_exported_name_resolves() -> None:
+def test_public_api__every_exported_name_is_that_class_or_function_of_toolledger() -> None:
+    """A lazy export that pointed at the wrong module, or at an alias, would resolve to
+    something else (or raise) here."""
+    assert len(set(toolledger.__all__)) == len(toolledger.__all__)
     for name in toolledger.__all__:
-        assert getattr(toolledger, name) is not None
+        exported = getattr(toolledger, name)
+        assert (exported.__name__, exported.__module__.split(".")[0]) == (name, "toolledger")
 
 
 def test_public_api__cli_starts_without_importing_the_sdk() -> None:
