@@ -60,14 +60,14 @@ async def test_serve__poison_call_of_at_most_once_tool__crashes_once_then_waits_
     with ServeProcess(sqlite_url, emulator.base_url, tmp_path / "serve-2.log") as second:
         await asyncio.to_thread(second.wait_serving)
 
-        async def unknown() -> bool:
-            [call] = (await ledger_calls(sqlite_url, [session_id])).values()
-            return call.status is CallStatus.UNKNOWN
-
+        # Not a fixed sleep then a negative: the service's own word that it looked at the
+        # call and chose to wait for an operator (rather than run it again).
         async with asyncio.timeout(15):
-            while not await unknown():  # noqa: ASYNC110 - polling another process's database
+            while "has an unknown outcome" not in second.log():  # noqa: ASYNC110 - another process's log
                 await asyncio.sleep(0.1)
-        await asyncio.sleep(2.0)  # a couple of reconcile passes
+        [call] = (await ledger_calls(sqlite_url, [session_id])).values()
+        assert call.status is CallStatus.UNKNOWN
+        assert f"toolledger calls resolve {call.key}" in second.log()
         assert second.process.poll() is None, "the service must not crash-loop"
 
     assert len(read_effects(effects_file)) == 1
