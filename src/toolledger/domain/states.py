@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -28,26 +29,122 @@ UNCONFIRMED_ALERT_AFTER = 5
 RESULT_STATUSES = frozenset({CallStatus.SUCCEEDED, CallStatus.FAILED})
 """A result is stored and waits to be submitted."""
 
+
+class Fencing(StrEnum):
+    """Who may make a transition, besides finding the call in one of its source states."""
+
+    NONE = "none"
+    """Compare-and-set on the status alone: whoever finds the call in a source state wins."""
+    LEASE_TOKEN = "lease_token"  # noqa: S105 (a column's name, not a secret)
+    """Only the holder of the current lease token: a worker that lost its lease is refused."""
+    LEASE_LAPSED = "lease_lapsed"
+    """Only once the lease ran out, or its owner is provably gone."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One write of the ledger that changes a call's status, declared once: the store runs it
+    as a compare-and-set (``UPDATE ... WHERE status IN sources``) plus its audit event."""
+
+    name: str
+    sources: frozenset[CallStatus]
+    """The states it may start from; empty: the call is created by it."""
+    target: CallStatus
+    writes: frozenset[str]
+    """The columns it sets besides ``status`` and ``updated_at``."""
+    event: str = "transition"
+    """The kind of its audit event."""
+    fencing: Fencing = Fencing.NONE
+
+
+_OUTCOME_COLUMNS = frozenset({"result", "error_stage", "error_detail", "finished_at", "lease_expires_at"})
+_LEASE_COLUMNS = frozenset({"lease_token", "attempt_count", "lease_owner", "lease_expires_at", "started_at"})
+
+RECORD = Transition(
+    "record",
+    frozenset(),
+    CallStatus.RUNNING,
+    _LEASE_COLUMNS
+    | {"tool_name", "arguments", "arguments_sha256", "effect_class", "idempotency_key", "created_at"},
+)
+"""A delivered call recorded and claimed in one commit (commit point 1)."""
+
+CLAIM = Transition(
+    "claim", frozenset({CallStatus.PENDING, CallStatus.UNKNOWN}), CallStatus.RUNNING, _LEASE_COLUMNS
+)
+"""A new lease (a new token) on a recorded call: a re-run, or an operator's re-run."""
+
+
+def _outcome_stored(name: str, source: CallStatus, fencing: Fencing) -> tuple[Transition, Transition]:
+    """One transition per outcome: it writes the same columns whether the run succeeded or not."""
+    succeeded, failed = (
+        Transition(name, frozenset({source}), target, _OUTCOME_COLUMNS, fencing=fencing)
+        for target in (CallStatus.SUCCEEDED, CallStatus.FAILED)
+    )
+    return succeeded, failed
+
+
+COMPLETE = _outcome_stored("complete", CallStatus.RUNNING, Fencing.LEASE_TOKEN)
+"""A run's outcome stored (commit point 2), by the run that holds the lease."""
+
+COMPLETE_LATE = _outcome_stored("complete_late", CallStatus.UNKNOWN, Fencing.LEASE_TOKEN)
+"""The only run's outcome, after its lease expired but before anyone claimed the call again:
+its token is still current, and that is the one true outcome."""
+
+SETTLE = _outcome_stored("settle", CallStatus.UNKNOWN, Fencing.NONE)
+"""An unknown call given its outcome without running it (verify hook, operator, deadline)."""
+
+REOPEN = Transition(
+    "reopen", frozenset({CallStatus.UNKNOWN}), CallStatus.PENDING, frozenset({"lease_expires_at"})
+)
+"""An operator allows an unknown call to run again (``toolledger calls resolve --rerun``)."""
+
+EXPIRE = Transition(
+    "expire",
+    frozenset({CallStatus.RUNNING}),
+    CallStatus.UNKNOWN,
+    frozenset({"lease_expires_at"}),
+    fencing=Fencing.LEASE_LAPSED,
+)
+"""A running call whose lease ran out without a result (or whose owner is gone)."""
+
+SUBMIT = Transition(
+    "submit",
+    RESULT_STATUSES,
+    CallStatus.SUBMITTED,
+    frozenset({"submitted_at", "submission_count", "last_submission_error"}),
+    event="submission",
+)
+"""The Agents API accepted the stored result (commit point 3)."""
+
+ABANDON = Transition(
+    "abandon",
+    frozenset({CallStatus.PENDING, CallStatus.RUNNING, CallStatus.UNKNOWN, *RESULT_STATUSES}),
+    CallStatus.ABANDONED,
+    frozenset({"abandoned_reason", "lease_expires_at"}),
+)
+"""The session stopped awaiting a call before its result was submitted."""
+
+TRANSITIONS: tuple[Transition, ...] = (
+    RECORD,
+    CLAIM,
+    *COMPLETE,
+    *COMPLETE_LATE,
+    *SETTLE,
+    REOPEN,
+    EXPIRE,
+    SUBMIT,
+    ABANDON,
+)
+"""Every transition of the ledger: the store runs these and no others."""
+
 ALLOWED_TRANSITIONS: dict[CallStatus, frozenset[CallStatus]] = {
-    CallStatus.PENDING: frozenset({CallStatus.RUNNING, CallStatus.FAILED, CallStatus.ABANDONED}),
-    CallStatus.RUNNING: frozenset(
-        {CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.UNKNOWN, CallStatus.ABANDONED}
-    ),
-    # PENDING: an operator allowed a re-run (``toolledger calls resolve --rerun``).
-    CallStatus.UNKNOWN: frozenset(
-        {
-            CallStatus.PENDING,
-            CallStatus.RUNNING,
-            CallStatus.SUCCEEDED,
-            CallStatus.FAILED,
-            CallStatus.ABANDONED,
-        }
-    ),
-    CallStatus.SUCCEEDED: frozenset({CallStatus.SUBMITTED, CallStatus.ABANDONED}),
-    CallStatus.FAILED: frozenset({CallStatus.SUBMITTED, CallStatus.ABANDONED}),
-    CallStatus.SUBMITTED: frozenset(),
-    CallStatus.ABANDONED: frozenset(),
+    status: frozenset(t.target for t in TRANSITIONS if status in t.sources) for status in CallStatus
 }
+"""The state table, derived from ``TRANSITIONS`` (the one place it is declared)."""
+
+FINAL_STATUSES = frozenset(status for status, targets in ALLOWED_TRANSITIONS.items() if not targets)
+"""States no transition leaves."""
 
 
 def sources_of(target: CallStatus) -> tuple[CallStatus, ...]:

@@ -32,7 +32,7 @@ from toolledger.domain.queries import (
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.store.engine import SQLITE_LOWER, uninterrupted_on_sqlite, write_transaction
-from toolledger.store.ledger import _record, call_events
+from toolledger.store.rows import call_events, call_record
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
 _KEY = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -192,7 +192,11 @@ class AuditStore:
             rows = list(await conn.execute(statement))
         return [
             Change(
-                int(row.event_id), row.event_at, str(row.event_kind), bool(row.event_matches), _record(row)
+                event_id=int(row.event_id),
+                at=row.event_at,
+                kind=str(row.event_kind),
+                matches=bool(row.event_matches),
+                call=call_record(row),
             )
             for row in rows
         ]
@@ -215,7 +219,7 @@ class AuditStore:
         else:
             raise QueryError("empty call reference")
         async with self.engine.connect() as conn:
-            return [_record(row) for row in await conn.execute(statement.limit(10))]
+            return [call_record(row) for row in await conn.execute(statement.limit(10))]
 
     async def events(self, key: CallKey) -> list[CallEvent]:
         async with self.engine.connect() as conn:
@@ -305,7 +309,7 @@ class AuditStore:
     async def _fetch(self, query: CallQuery, limit: int) -> list[CallRecord]:
         statement = _select(query).limit(limit)
         async with self.engine.connect() as conn:
-            return [_record(row) for row in await conn.execute(statement)]
+            return [call_record(row) for row in await conn.execute(statement)]
 
 
 def _select(query: CallQuery) -> Select[Any]:

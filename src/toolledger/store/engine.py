@@ -116,7 +116,25 @@ def uninterrupted_on_sqlite(store: _Store) -> _Store:
     return store
 
 
+def uninterrupted(store: _Store) -> _Store:
+    """Class decorator for a SQLite store: each public coroutine method, its own or inherited,
+    runs to completion despite cancellation (see ``run_to_completion``)."""
+    for name in dir(store):
+        member = getattr(store, name)
+        if not name.startswith("_") and inspect.iscoroutinefunction(member):
+            setattr(store, name, _to_completion(member))
+    return store
+
+
 _Method = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _to_completion(method: _Method) -> _Method:
+    @functools.wraps(method)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return await run_to_completion(method(self, *args, **kwargs))
+
+    return run
 
 
 def _uninterrupted(method: _Method) -> _Method:

@@ -1,0 +1,122 @@
+"""The ledger on SQLite: each write a transaction of separate statements (the change, then its
+audit event), queued behind this process's other writers (``store.engine.write_lock``).
+
+SQLite has no data-modifying CTEs, and no network between the statements to save. Every
+public operation runs to completion even if its caller is cancelled (``uninterrupted``):
+aiosqlite can otherwise drop a connection with its write lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+from sqlalchemy import Row, String, bindparam, select
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord, Recorded
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
+from toolledger.domain.states import RECORD, CallStatus, Transition
+from toolledger.store.engine import uninterrupted, write_lock
+from toolledger.store.ledger import LedgerStore
+from toolledger.store.rows import call_record
+from toolledger.store.schema import tool_calls
+from toolledger.store.transitions import KEY_MATCH, Note, changes, fenced, key_params, record_insert
+
+
+@uninterrupted
+class SqliteLedger(LedgerStore):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        actor: str,
+        owner: str | None = None,
+        redactor: Redactor = DEFAULT_REDACTOR,
+    ) -> None:
+        super().__init__(engine, actor=actor, owner=owner, redactor=redactor)
+        self._write_lock = write_lock(engine)
+
+    async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
+        return {key for key in keys if await self.mark_confirmed(key)}
+
+    def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        return self._transaction()
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+        async with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
+    async def _record_new(
+        self, key: CallKey, params: dict[str, Any], fingerprint: str, reason: str, detail: str | None
+    ) -> Recorded:
+        insert = self._statement((RECORD.name,), lambda: record_insert(sqlite.insert))
+        async with self._transaction() as conn:
+            row = (await conn.execute(insert, params)).first()
+            if row is None:
+                return await self._already_recorded(conn, key, fingerprint)
+            call = call_record(row)
+            await self._event(
+                conn, key, RECORD.event, None, RECORD.target, call.lease_token, reason, detail=detail
+            )
+            return Recorded(call=call, claimed=True)
+
+    async def _change(
+        self,
+        conn: AsyncConnection,
+        transition: Transition,
+        sources: frozenset[CallStatus],
+        key: CallKey,
+        params: dict[str, Any],
+        reason: str,
+        detail: str | None = None,
+    ) -> CallRecord | None:
+        if len(sources) == 1:
+            # One source: the compare-and-set alone decides, and the event names it.
+            (source,) = sources
+        else:
+            # Read first, so the event names the state the row really left (the write lock
+            # is held: nobody changes it in between).
+            found = await conn.execute(select(tool_calls.c.status).where(KEY_MATCH), key_params(key))
+            current = found.scalar()
+            if current is None or current not in sources:
+                return None
+            source = CallStatus(current)
+        update = self._statement((transition.name, transition.target), lambda: _build_change(transition))
+        values = {**params, **key_params(key), "p_from_status": source.value}
+        row = (await conn.execute(update, values)).first()
+        if row is None:
+            return None
+        call = call_record(row)
+        await self._event(
+            conn, key, transition.event, source, transition.target, call.lease_token, reason, detail=detail
+        )
+        return call
+
+    async def _note(self, note: Note, key: CallKey, params: dict[str, Any], reason: str) -> Row[Any] | None:
+        update = self._statement((note.name,), lambda: note.update(KEY_MATCH))
+        async with self._transaction() as conn:
+            row: Row[Any] | None = (await conn.execute(update, {**params, **key_params(key)})).first()
+            if row is not None:
+                await self._event(conn, key, note.event, note.status, note.status, None, reason)
+            return row
+
+
+def _build_change(transition: Transition) -> Any:
+    return (
+        tool_calls.update()
+        .where(
+            KEY_MATCH,
+            tool_calls.c.status == bindparam("p_from_status", type_=String),
+            *fenced(transition),
+        )
+        .values(**changes(transition))
+        .returning(tool_calls)
+    )
+
+
+__all__ = ["SqliteLedger"]

@@ -1,0 +1,74 @@
+"""Rows of the ledger's tables as domain records: the one mapping every store reads through."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Row, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallEvent, CallRecord
+from toolledger.domain.states import CallStatus, EffectClass
+from toolledger.store.schema import tool_call_events
+
+
+def call_record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
+    """A ``tool_calls`` row (or any row holding its columns, as a join does) as a record."""
+    m = row._mapping if isinstance(row, Row) else row
+    return CallRecord(
+        key=CallKey(m["session_id"], m["turn_id"], m["call_id"]),
+        tool_name=m["tool_name"],
+        arguments=m["arguments"],
+        arguments_sha256=m["arguments_sha256"],
+        status=CallStatus(m["status"]),
+        effect_class=EffectClass(m["effect_class"]),
+        idempotency_key=m["idempotency_key"],
+        attempt_count=m["attempt_count"],
+        lease_owner=m["lease_owner"],
+        lease_token=m["lease_token"],
+        lease_expires_at=m["lease_expires_at"],
+        result=m["result"],
+        error_stage=m["error_stage"],
+        error_detail=m["error_detail"],
+        created_at=m["created_at"],
+        started_at=m["started_at"],
+        finished_at=m["finished_at"],
+        submitted_at=m["submitted_at"],
+        confirmed_at=m["confirmed_at"],
+        submission_count=m["submission_count"],
+        last_submission_error=m["last_submission_error"],
+        abandoned_reason=m["abandoned_reason"],
+    )
+
+
+async def call_events(conn: AsyncConnection, key: CallKey) -> list[CallEvent]:
+    """A call's audit trail, oldest first."""
+    rows = await conn.execute(
+        select(tool_call_events)
+        .where(
+            tool_call_events.c.session_id == key.session_id,
+            tool_call_events.c.turn_id == key.turn_id,
+            tool_call_events.c.call_id == key.call_id,
+        )
+        .order_by(tool_call_events.c.id)
+    )
+    return [
+        CallEvent(
+            id=r.id,
+            key=key,
+            at=r.at,
+            actor=r.actor,
+            kind=r.kind,
+            from_status=r.from_status,
+            to_status=r.to_status,
+            lease_token=r.lease_token,
+            reason=r.reason,
+            detail=r.detail,
+        )
+        for r in rows
+    ]
+
+
+__all__ = ["call_events", "call_record"]
