@@ -296,13 +296,22 @@ class AuditStore:
                 keys = [tuple(row) for row in await conn.execute(select(*_KEY).where(finished).limit(batch))]
                 if not keys:
                     return removed
-                event_key = tuple_(
-                    tool_call_events.c.session_id, tool_call_events.c.turn_id, tool_call_events.c.call_id
-                )
-                await conn.execute(delete(tool_call_events).where(event_key.in_(keys)))
-                # Re-checked under the delete: a call that changed since the select stays.
-                result = await conn.execute(delete(tool_calls).where(tuple_(*_KEY).in_(keys), finished))
-                removed += result.rowcount
+                # Re-checked under the delete: a call that changed since the select stays, and
+                # so does every event of its trail. The calls deleted decide whose events go.
+                deleted = [
+                    tuple(row)
+                    for row in await conn.execute(
+                        delete(tool_calls).where(tuple_(*_KEY).in_(keys), finished).returning(*_KEY)
+                    )
+                ]
+                if deleted:
+                    # The foreign key cascades these already; said here as well, so that a
+                    # connection without SQLite's foreign_keys pragma leaves no orphans.
+                    event_key = tuple_(
+                        tool_call_events.c.session_id, tool_call_events.c.turn_id, tool_call_events.c.call_id
+                    )
+                    await conn.execute(delete(tool_call_events).where(event_key.in_(deleted)))
+                removed += len(deleted)
             if progress is not None:
                 progress(removed)
 
