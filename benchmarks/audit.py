@@ -42,6 +42,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.queries import CallQuery, CallReference, SortKey
 from toolledger.domain.results import succeeded
 from toolledger.domain.states import CallStatus, EffectClass
+from toolledger.runtime.composition import Runtime
 from toolledger.settings import Settings
 from toolledger.store import migrate
 from toolledger.store.audit import AuditStore
@@ -723,7 +724,7 @@ async def run_queries(
     settings = Settings(database_url=url)
     engine = create_engine(url)
     try:
-        service = AuditService(engine, settings, redactor=settings.redactor())
+        service = AuditService(Runtime.from_settings(settings, engine=engine))
         recorder = StatementRecorder(engine)
         sample = await pick_sample(engine, calls)
         deep_page = await page_deep(service.store, DEEP_PAGES)

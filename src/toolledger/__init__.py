@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from toolledger.version import __version__ as __version__
 
 # Imported on first use, so `toolledger --help` does not pay for the openai SDK's import.
 _EXPORTS = {

@@ -39,10 +39,9 @@ from toolledger.crashpoints import CP_AFTER_RESULT_COMMIT, CP_INSIDE_HANDLER
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.store import migrate
-from toolledger.store.engine import create_engine
+from toolledger.runtime.composition import Runtime
+from toolledger.settings import Settings
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.sessions import SessionStore
 
 TOOLS = "toolledger.examples.shop:registry"
 SCRIPT = Script.of_calls(
@@ -137,7 +136,8 @@ async def _demo(workdir: Path, progress: Progress) -> DemoSummary:
     started = time.monotonic()
     ledger_path = workdir / "ledger.sqlite3"
     database_url = f"sqlite+aiosqlite:///{ledger_path}"
-    await asyncio.to_thread(migrate.upgrade, database_url)
+    runtime = Runtime.from_settings(Settings(database_url=database_url))
+    await runtime.ensure_schema(migrate=True)
     world = workdir / "world.sqlite3"
     shop.create_world(str(world))
     progress.step(f"ledger: SQLite at {ledger_path}; the shop's outside world: {world.name}")
@@ -145,9 +145,8 @@ async def _demo(workdir: Path, progress: Progress) -> DemoSummary:
     with EmulatorServer() as emulator:
         progress.step(f"Agents API emulator at {emulator.base_url}")
         session_id = await _start_session(emulator.base_url)
-        engine = create_engine(database_url)
-        try:
-            await SessionStore(engine).watch(session_id)
+        async with runtime:
+            await runtime.session_store().watch(session_id)
             progress.step(
                 f"session {session_id}: 3 steps, 5 calls (lookup_order; charge_card + send_receipt "
                 "in parallel; lookup_order + record_refund in parallel); watched"
@@ -160,18 +159,16 @@ async def _demo(workdir: Path, progress: Progress) -> DemoSummary:
                 "TOOLLEDGER_OPENAI_API_KEY": "sk-demo-not-a-real-key",
                 "TOOLLEDGER_DEMO_WORLD": str(world),
             }
+            store = runtime.ledger_store(actor="demo")
             workers = []
             for number, (crash_at, meaning) in enumerate(RUNS, start=1):
                 workers.append(
                     await _run_worker(
-                        number, crash_at, meaning, environment, workdir, engine, session_id, progress
+                        number, crash_at, meaning, environment, workdir, store, session_id, progress
                     )
                 )
-            store = LedgerStore(engine, actor="demo")
             calls = await store.for_session(session_id)
             events = {call.key: await store.events(call.key) for call in calls}
-        finally:
-            await engine.dispose()
         received = emulator.control.tool_results(session_id)
 
     accepted = Counter(r.call_id for r in received if r.outcome == "accepted")
@@ -201,7 +198,7 @@ async def _run_worker(
     meaning: str,
     environment: dict[str, str],
     workdir: Path,
-    engine: Any,
+    store: LedgerStore,
     session_id: str,
     progress: Progress,
 ) -> Worker:
@@ -229,7 +226,7 @@ async def _run_worker(
                 )
             progress.step(f"[red]worker {number} killed by SIGKILL[/red] (its log: {_last_line(log.name)})")
             return Worker(number, crash_at, process.pid, code, killed=True)
-        await _wait_answered(engine, session_id, process, log.name)
+        await _wait_answered(store, session_id, process, log.name)
         progress.step(f"worker {number}: every call answered; stopping it with SIGTERM")
         process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(_wait, process, 30.0)
@@ -248,8 +245,9 @@ def _wait(process: subprocess.Popen[bytes], timeout: float) -> int:
         raise DemoError(f"`toolledger serve` (pid {process.pid}) did not finish in {timeout:.0f}s") from None
 
 
-async def _wait_answered(engine: Any, session_id: str, process: subprocess.Popen[bytes], log: str) -> None:
-    store = LedgerStore(engine, actor="demo")
+async def _wait_answered(
+    store: LedgerStore, session_id: str, process: subprocess.Popen[bytes], log: str
+) -> None:
     deadline = time.monotonic() + 45
     done = {CallStatus.SUBMITTED, CallStatus.ABANDONED}
     while time.monotonic() < deadline:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from toolledger import __version__
 from toolledger.domain.keys import CallKey
+from toolledger.version import __version__
 
 try:
     from opentelemetry import trace as _trace

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import uvicorn
-from alembic.runtime.migration import MigrationContext
 from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request
 from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
@@ -39,15 +38,12 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
-from sqlalchemy import Connection, func, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from toolledger import __version__
 from toolledger.audit.auth import Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
 from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
 from toolledger.audit.service import (
@@ -59,7 +55,6 @@ from toolledger.audit.service import (
     NotResolvableError,
     Resolution,
     ResolutionKind,
-    configured_gateway,
 )
 from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, SessionView
 from toolledger.domain.queries import (
@@ -79,7 +74,7 @@ from toolledger.domain.queries import (
 )
 from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import TOOL_ERROR_MAX_CHARS
-from toolledger.domain.states import RESULT_STATUSES, CallStatus
+from toolledger.domain.states import CallStatus
 from toolledger.errors import (
     CallNotFoundError,
     FencedError,
@@ -88,11 +83,12 @@ from toolledger.errors import (
 )
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.metrics import LedgerCollector, LedgerSnapshot
+from toolledger.runtime.composition import Runtime
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store import migrate
-from toolledger.store.engine import create_engine, is_transient
-from toolledger.store.schema import sessions, tool_calls
+from toolledger.store.engine import is_transient
+from toolledger.version import __version__
 
 log = logging.getLogger("toolledger.api")
 
@@ -204,21 +200,28 @@ class Readiness(BaseModel):
 
 @dataclass
 class ApiState:
-    """What one app holds: its service, and what it must close when it stops."""
+    """What one app holds: its service over a runtime, and whether it closes that runtime
+    when it stops (it does when it built it)."""
 
     service: AuditService
-    engine: AsyncEngine
     head_revision: str | None
-    redactor: Redactor
-    owns_engine: bool
-    owns_gateway: bool
+    owns_runtime: bool
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.service.runtime
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.runtime.engine
+
+    @property
+    def redactor(self) -> Redactor:
+        return self.runtime.redactor
 
     async def aclose(self) -> None:
-        gateway = self.service.gateway
-        if gateway is not None and self.owns_gateway:
-            await gateway.close()
-        if self.owns_engine:
-            await self.engine.dispose()
+        if self.owns_runtime:
+            await self.runtime.aclose()
 
 
 def create_app(
@@ -227,13 +230,16 @@ def create_app(
     engine: AsyncEngine | None = None,
     gateway: AgentsGateway | None = None,
     registry: ToolRegistry | None = None,
+    runtime: Runtime | None = None,
 ) -> FastAPI:
     """The audit API over ``settings``' ledger; refuses (ApiConfigurationError) to be built for
     a non-loopback ``api_host`` with no token configured, with a weak or shared token, or with
     /docs asked for and Swagger UI's files not installed.
 
-    Without ``gateway``, resolutions are submitted only to an Agents API that ``settings``
-    configure (``configured_gateway``)."""
+    Its engine and gateway come from ``runtime`` (left open when the app stops), else from
+    one built here over ``engine`` and ``gateway`` if given. Without a gateway, resolutions
+    are submitted only to an Agents API that ``settings`` configure
+    (``Runtime.configured_gateway``)."""
     tokens = TokenRing.from_settings(settings)
     ensure_safe_exposure(tokens, settings.api_host)
     if tokens.empty:
@@ -241,7 +247,10 @@ def create_app(
             "no API token configured: anyone on this machine can read and resolve calls "
             "(set TOOLLEDGER_API_TOKENS to require one)"
         )
-    redactor = settings.redactor()
+    owns_runtime = runtime is None
+    if runtime is None:
+        runtime = Runtime.from_settings(settings, engine=engine, gateway=gateway)
+    redactor = runtime.redactor
     app = FastAPI(
         title="toolledger audit API",
         version=__version__,
@@ -255,21 +264,11 @@ def create_app(
     )
     if settings.api_docs:
         add_docs_routes(app)
-    owns_engine = engine is None
-    if engine is None:
-        engine = create_engine(settings.database_url, **_pool_options(settings))
-    owns_gateway = gateway is None
-    if gateway is None:
-        gateway = configured_gateway(settings)
-    service = AuditService(engine, settings, redactor=redactor, gateway=gateway, registry=registry)
     app.state.tokens = tokens
     app.state.api = ApiState(
-        service=service,
-        engine=engine,
+        service=AuditService(runtime, registry=registry),
         head_revision=migrate.head_revision(settings.database_url),
-        redactor=redactor,
-        owns_engine=owns_engine,
-        owns_gateway=owns_gateway,
+        owns_runtime=owns_runtime,
     )
     _add_error_handlers(app)
     # Added last, so outermost: nothing escapes the boundary with a traceback. The body limit
@@ -282,14 +281,6 @@ def create_app(
         app.mount("/ui", StaticFiles(directory=WEB_DIRECTORY, html=True), name="ui")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
-
-
-def _pool_options(settings: Settings) -> dict[str, Any]:
-    # Statement parameters are tool arguments and outputs: never in an error's text.
-    options: dict[str, Any] = {"hide_parameters": True}
-    if make_url(settings.database_url).get_backend_name() != "sqlite":
-        options.update(pool_size=settings.database_pool_size, max_overflow=settings.database_max_overflow)
-    return options
 
 
 @contextlib.asynccontextmanager
@@ -638,7 +629,7 @@ async def metrics(request: Request) -> Response:
     snapshot: LedgerSnapshot | None = None
     try:
         async with asyncio.timeout(READY_TIMEOUT_SECONDS):
-            snapshot = await _ledger_snapshot(state.engine)
+            snapshot = await state.runtime.operator_views().ledger_snapshot()
     except (TimeoutError, SQLAlchemyError, OSError) as error:
         log.warning("metrics: the ledger could not be read: %s", state.redactor.text(_first_line(error)))
     ledger = CollectorRegistry(auto_describe=False)
@@ -653,8 +644,8 @@ async def home() -> RedirectResponse:
 
 async def _not_ready_because(state: ApiState) -> str | None:
     try:
-        async with asyncio.timeout(READY_TIMEOUT_SECONDS), state.engine.connect() as conn:
-            current = await conn.run_sync(_schema_revision)
+        async with asyncio.timeout(READY_TIMEOUT_SECONDS):
+            current = await state.runtime.operator_views().schema_revision()
     except TimeoutError:
         return f"the ledger database did not answer within {READY_TIMEOUT_SECONDS:g}s"
     except (SQLAlchemyError, OSError) as error:
@@ -667,35 +658,6 @@ async def _not_ready_because(state: ApiState) -> str | None:
             f"{state.head_revision}: run `toolledger migrate`"
         )
     return None
-
-
-def _schema_revision(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
-
-
-async def _ledger_snapshot(engine: AsyncEngine) -> LedgerSnapshot:
-    """One GROUP BY over the calls (the oldest waiting result rides along as a MIN), and one
-    count of the watched sessions."""
-    by_status_and_tool = select(
-        tool_calls.c.status, tool_calls.c.tool_name, func.count(), func.min(tool_calls.c.finished_at)
-    ).group_by(tool_calls.c.status, tool_calls.c.tool_name)
-    watched = select(func.count()).select_from(sessions).where(sessions.c.watched.is_(True))
-    async with engine.connect() as conn:
-        rows = list(await conn.execute(by_status_and_tool))
-        watched_count = int((await conn.execute(watched)).scalar_one())
-    waiting_since = [
-        _aware(finished) for status, _, _, finished in rows if status in RESULT_STATUSES and finished
-    ]
-    oldest = (datetime.now(UTC) - min(waiting_since)).total_seconds() if waiting_since else 0.0
-    return LedgerSnapshot(
-        calls={(status, tool): int(count) for status, tool, count, _ in rows},
-        oldest_unsubmitted_result_age_seconds=max(oldest, 0.0),
-        watched_sessions=watched_count,
-    )
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 # ------------------------------------------------------------------------------ openapi
@@ -977,6 +939,7 @@ async def api_server_task(
     engine: AsyncEngine | None = None,
     gateway: AgentsGateway | None = None,
     registry: ToolRegistry | None = None,
+    runtime: Runtime | None = None,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[str, int], None] | None = None,
     log_level: str = "info",
@@ -986,7 +949,7 @@ async def api_server_task(
     ``toolledger serve --api`` runs it beside the service, sharing its stop event (and, if it
     likes, its engine and registry: then an operator's re-run executes in that process).
     """
-    app = create_app(settings, engine=engine, gateway=gateway, registry=registry)
+    app = create_app(settings, engine=engine, gateway=gateway, registry=registry, runtime=runtime)
     await serve_api(
         app, settings.api_host, settings.api_port, stop=stop, on_listening=on_listening, log_level=log_level
     )

@@ -32,19 +32,16 @@ from toolledger.audit.views import (
 )
 from toolledger.domain.queries import CallQuery, CallReference, QueryError
 from toolledger.domain.records import CallRecord
-from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus
 from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
-from toolledger.settings import Settings
-from toolledger.store.audit import AuditStore
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.sessions import SessionStore
 
 if TYPE_CHECKING:
     # The SDK (through the gateway, the executor and the registry) is needed to submit or re-run
     # a resolution, not to list, show or export: imported only then, so `calls list` starts fast.
     from toolledger.gateway.agents import AgentsGateway
+    from toolledger.runtime.composition import Runtime
     from toolledger.runtime.executor import Executor
     from toolledger.runtime.registry import ToolRegistry
 
@@ -109,41 +106,29 @@ class ResolveReport:
     ``rerun`` (ran again here and submitted), ``left_for_service`` (re-run by ``serve``)."""
 
 
-def configured_gateway(settings: Settings) -> AgentsGateway | None:
-    """The Agents API a resolution is submitted to: only one configured here, by its key or
-    its base URL. Without either (unset or blank) there is none, and a resolution is recorded
-    and answered ``not_sent``, for `serve` to submit: the SDK's defaults (its public address,
-    a placeholder key) must not become a destination nobody chose."""
-    if not settings.agents_api_configured:
-        return None
-    key = settings.openai_api_key.get_secret_value() if settings.openai_api_key is not None else ""
-    base_url = settings.openai_base_url or ""
-    from toolledger.gateway.agents import AgentsGateway
-
-    return AgentsGateway.connect(
-        api_key=key or None, base_url=base_url or None, attempts=settings.submit_attempts
-    )
-
-
 class AuditService:
     """List, show, export, resolve and prune calls; list and watch sessions."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        settings: Settings,
-        *,
-        redactor: Redactor,
-        gateway: AgentsGateway | None = None,
-        registry: ToolRegistry | None = None,
-    ) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.redactor = redactor
-        self.gateway = gateway
+    def __init__(self, runtime: Runtime, *, registry: ToolRegistry | None = None) -> None:
+        """Over ``runtime``'s ledger; a resolution is submitted to its Agents API only when
+        one is configured (``Runtime.configured_gateway``), and re-run here only with a
+        ``registry`` (without one `serve` runs it)."""
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.redactor = runtime.redactor
         self.registry = registry
-        self.store = AuditStore(engine)
-        self.sessions = SessionStore(engine)
+        self.store = runtime.audit_store()
+        self.sessions = runtime.session_store()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.runtime.engine
+
+    @property
+    def gateway(self) -> AgentsGateway | None:
+        """Where a resolution is submitted: the runtime's Agents API when one is configured
+        (built, and the SDK imported, on first use), else none."""
+        return self.runtime.configured_gateway()
 
     # ------------------------------------------------------------------ reads
 
@@ -219,9 +204,7 @@ class AuditService:
             raise NotResolvableError(
                 f"call {call.key} is {call.status.value}: only an unknown outcome can be resolved"
             )
-        operator_store = LedgerStore(
-            self.engine, actor=f"operator:{resolution.operator}", redactor=self.redactor
-        )
+        operator_store = self.runtime.ledger_store(actor=f"operator:{resolution.operator}")
         why = f"resolved by operator ({resolution.kind.value}): {resolution.reason}"
         if resolution.kind is ResolutionKind.RERUN:
             reopened = await operator_store.reopen(call.key, reason=why)
@@ -344,5 +327,4 @@ __all__ = [
     "Resolution",
     "ResolutionKind",
     "ResolveReport",
-    "configured_gateway",
 ]

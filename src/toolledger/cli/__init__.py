@@ -1,4 +1,11 @@
-"""The ``toolledger`` command. Every flag can also be set as ``TOOLLEDGER_<COMMAND>_<FLAG>``."""
+"""The ``toolledger`` command. Every flag can also be set as ``TOOLLEDGER_<COMMAND>_<FLAG>``.
+
+This folder owns the commands (``serve``, ``reconcile``, ``migrate``, ``status``,
+``sessions``, ``calls``, ``api``, ``config``, ``demo``, ``emulator``): their flags, output
+and exit codes. What they run on comes from the composition root
+(``runtime.composition.Runtime``, through ``common.ledger_runtime``); nothing here builds an
+engine, a gateway or a store. The top layer: nothing in toolledger imports it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,10 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from toolledger import __version__
 from toolledger.cli.api import api
 from toolledger.cli.calls import calls
 from toolledger.cli.common import (
@@ -23,20 +28,24 @@ from toolledger.cli.common import (
     base_url_option,
     configure_logging,
     database_option,
-    ensure_schema,
     first_line,
     iso,
+    ledger_runtime,
     load_tools,
     masked_url,
+    missing_sqlite_file,
     run,
     settings_from,
 )
 from toolledger.cli.config import config
 from toolledger.cli.demo import demo
+from toolledger.version import __version__
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from toolledger.domain.records import SessionRecord
+    from toolledger.runtime.composition import Runtime
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.settings import Settings
 
@@ -301,8 +310,9 @@ def sessions_watch(session_ids: tuple[str, ...], database_url: str | None, base_
     settings = settings_from(database_url=database_url, openai_base_url=base_url)
     missing: list[str] = []
 
-    async def watch(store: SessionStoreT) -> None:
-        unknown = await _sessions_not_found(settings, session_ids)
+    async def watch(runtime: Runtime) -> None:
+        unknown = await _sessions_not_found(runtime, session_ids)
+        store = runtime.session_store()
         for session_id in session_ids:
             if session_id in unknown:
                 missing.append(session_id)
@@ -316,31 +326,24 @@ def sessions_watch(session_ids: tuple[str, ...], database_url: str | None, base_
         sys.exit(1)
 
 
-async def _sessions_not_found(settings: Settings, session_ids: tuple[str, ...]) -> set[str]:
+async def _sessions_not_found(runtime: Runtime, session_ids: tuple[str, ...]) -> set[str]:
     """The sessions the Agents API says do not exist; none when no API is configured (said
     once) or it cannot be reached (said, and the sessions are watched anyway)."""
-    if not (settings.openai_api_key or settings.openai_base_url):
+    gateway = runtime.configured_gateway()
+    if gateway is None:
         click.echo("(not checked with the Agents API: none is configured)", err=True)
         return set()
     from toolledger.errors import AgentsUnavailableError, SessionGoneError
-    from toolledger.gateway.agents import AgentsGateway
 
-    key = settings.openai_api_key
-    gateway = AgentsGateway.connect(
-        api_key=key.get_secret_value() if key else None, base_url=settings.openai_base_url
-    )
     missing: set[str] = set()
-    try:
-        for session_id in session_ids:
-            try:
-                await gateway.retrieve(session_id)
-            except SessionGoneError:
-                missing.add(session_id)
-            except AgentsUnavailableError as error:
-                click.echo(f"(not checked with the Agents API: {error})", err=True)
-                return set()
-    finally:
-        await gateway.close()
+    for session_id in session_ids:
+        try:
+            await gateway.retrieve(session_id)
+        except SessionGoneError:
+            missing.add(session_id)
+        except AgentsUnavailableError as error:
+            click.echo(f"(not checked with the Agents API: {error})", err=True)
+            return set()
     return missing
 
 
@@ -352,7 +355,8 @@ def sessions_unwatch(session_ids: tuple[str, ...], reason: str, database_url: st
     """Stop following these sessions (their calls stay in the ledger as they are)."""
     settings = settings_from(database_url=database_url)
 
-    async def unwatch(store: SessionStoreT) -> None:
+    async def unwatch(runtime: Runtime) -> None:
+        store = runtime.session_store()
         for session_id in session_ids:
             removed = await store.unwatch(session_id, reason)
             click.echo(f"{session_id}: {'unwatched' if removed else 'was not watched'}")
@@ -368,8 +372,8 @@ def sessions_list(show_all: bool, as_json: bool, database_url: str | None) -> No
     """The watched sessions, who follows each, and when it was last reconciled."""
     settings = settings_from(database_url=database_url)
 
-    async def listing(store: SessionStoreT) -> None:
-        found = await store.find(watched=None if show_all else True)
+    async def listing(runtime: Runtime) -> None:
+        found = await runtime.session_store().find(watched=None if show_all else True)
         if as_json:
             for record in found:
                 click.echo(json.dumps(_session_json(record)))
@@ -399,32 +403,16 @@ def sessions_show(session_id: str, as_json: bool, database_url: str | None) -> N
     show_session(session_id, as_json=as_json, database_url=database_url)
 
 
-if TYPE_CHECKING:
-    from toolledger.domain.records import SessionRecord
-    from toolledger.store.sessions import SessionStore as SessionStoreT
-else:
-    SessionStoreT = Any
-
-
-async def _with_sessions(
-    settings: Settings, action: Callable[[SessionStoreT], Coroutine[Any, Any, None]]
-) -> None:
-    from toolledger.store.engine import create_engine
-    from toolledger.store.sessions import SessionStore
-
-    missing = _missing_sqlite_file(settings.database_url)
+async def _with_sessions(settings: Settings, action: Callable[[Runtime], Coroutine[Any, Any, None]]) -> None:
+    missing = missing_sqlite_file(settings.database_url)
     if missing is not None:
         # Run from another directory, a relative default would make a new, empty ledger.
         raise click.ClickException(
             f"no ledger file at {missing}: run this where the ledger is, or set TOOLLEDGER_DATABASE_URL "
             "(`toolledger serve` and `toolledger migrate` create one)"
         )
-    await ensure_schema(settings)
-    engine = create_engine(settings.database_url)
-    try:
-        await action(SessionStore(engine))
-    finally:
-        await engine.dispose()
+    async with ledger_runtime(settings) as runtime:
+        await action(runtime)
 
 
 def _session_json(record: SessionRecord) -> dict[str, Any]:
@@ -498,11 +486,10 @@ async def _reconcile(
 ) -> dict[str, Any]:
     from toolledger.ledger import ToolLedger
     from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
-    from toolledger.store.sessions import SessionStore
 
     # No serve lock: a pass decides nothing the ledger does not, so it may run beside `serve`.
     async with ToolLedger(registry, settings, run_handlers=run_handlers) as ledger:
-        store = SessionStore(ledger.engine)
+        store = ledger.runtime.session_store()
         if not session_ids:
             await store.watch_new(await store.with_open_calls())
             session_ids = [record.session_id for record in await store.find(watched=True)]
@@ -578,14 +565,12 @@ STATUS_CALLS_SHOWN = 20
 async def _status(settings: Settings) -> dict[str, Any]:
     from toolledger.domain.records import CallRecord
     from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER, CallStatus
+    from toolledger.runtime.composition import Runtime
     from toolledger.store import migrate as migrations
-    from toolledger.store.engine import create_engine
-    from toolledger.store.ledger import LedgerStore
-    from toolledger.store.sessions import SessionStore
 
     url = settings.database_url
     report: dict[str, Any] = {"database_reachable": False, "schema_current": False, "replicas": []}
-    missing = _missing_sqlite_file(url)
+    missing = missing_sqlite_file(url)
     if missing is not None:
         # Opening it would create an empty file: a typo in the path would look like a new ledger.
         report["error"] = f"no ledger file at {missing} (`toolledger migrate` creates one)"
@@ -602,9 +587,8 @@ async def _status(settings: Settings) -> dict[str, Any]:
         return report
     if not report["schema_current"]:
         return report
-    engine = create_engine(url)
-    try:
-        sessions_store = SessionStore(engine)
+    async with Runtime.from_settings(settings) as runtime:
+        sessions_store = runtime.session_store()
         now = datetime.now(UTC)
         watched = await sessions_store.find(watched=True)
         owners: dict[str, int] = {}
@@ -624,7 +608,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         ]
         report["watched_sessions"] = len(watched)
         report["unowned_sessions"] = len(watched) - sum(owners.values())
-        ledger = LedgerStore(engine, actor="status")
+        ledger = runtime.ledger_store(actor="status")
         report["calls"] = await ledger.count_by_status()
         report["unconfirmed_calls"] = await ledger.count_unconfirmed(UNCONFIRMED_ALERT_AFTER)
         oldest = await ledger.oldest_unsubmitted()
@@ -655,19 +639,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
             limit=STATUS_CALLS_SHOWN,
         )
         report["awaiting_calls"] = [listed(c) for c in awaiting]
-    finally:
-        await engine.dispose()
     return report
-
-
-def _missing_sqlite_file(url: str) -> str | None:
-    """The path of a SQLite ledger file that does not exist (None if it exists or is not SQLite)."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return None
-    return None if Path(parsed.database).exists() else parsed.database
 
 
 main.add_command(calls)

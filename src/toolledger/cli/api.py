@@ -13,7 +13,6 @@ from toolledger.cli.common import (
     base_url_option,
     configure_logging,
     database_option,
-    ensure_schema,
     run,
     settings_from,
 )
@@ -21,6 +20,7 @@ from toolledger.cli.common import (
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from toolledger.runtime.composition import Runtime
     from toolledger.settings import Settings
 
 
@@ -48,22 +48,29 @@ def api(
     """
     from toolledger.audit.api import create_app
     from toolledger.audit.auth import ApiConfigurationError
+    from toolledger.runtime.composition import Runtime
 
     settings = settings_from(
         api_host=host, api_port=port, database_url=database_url, openai_base_url=base_url
     )
     configure_logging(log_level, settings)
+    runtime = Runtime.from_settings(settings)  # builds nothing yet: the database is opened in _serve
     try:
-        app = create_app(settings)
+        app = create_app(settings, runtime=runtime)
     except ApiConfigurationError as error:
         raise click.UsageError(str(error)) from None
-    run(_serve(app, settings, log_level))
+    run(_serve(app, runtime, log_level))
 
 
-async def _serve(app: FastAPI, settings: Settings, log_level: str) -> None:
+async def _serve(app: FastAPI, runtime: Runtime, log_level: str) -> None:
+    async with runtime:
+        await runtime.ensure_schema()
+        await _listen(app, runtime.settings, log_level)
+
+
+async def _listen(app: FastAPI, settings: Settings, log_level: str) -> None:
     from toolledger.audit.api import serve_api
 
-    await ensure_schema(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -28,8 +28,9 @@ from toolledger.cli.common import (
     base_url_option,
     configure_logging,
     database_option,
-    ensure_schema,
+    ledger_runtime,
     load_tools,
+    missing_sqlite_file,
     run,
     settings_from,
 )
@@ -739,7 +740,7 @@ def resolve_call(
 async def _resolve(
     settings: Settings, reference: str, resolution: Resolution, registry: ToolRegistry | None
 ) -> ResolveReport:
-    async with audit_service(settings, submits=True, registry=registry) as service:
+    async with audit_service(settings, registry=registry) as service:
         return await service.resolve(reference, resolution)
 
 
@@ -845,11 +846,9 @@ def show_session(session_id: str, *, as_json: bool, database_url: str | None) ->
 async def _session(
     settings: Settings, query: CallQuery
 ) -> tuple[SessionRecord | None, CallPage, CallCountsView]:
-    from toolledger.store.sessions import SessionStore
-
     assert query.session_id is not None
     async with audit_service(settings) as service:
-        record = await SessionStore(service.engine).get(query.session_id)
+        record = await service.sessions.get(query.session_id)
         return record, await service.list_calls(query), await service.counts(query)
 
 
@@ -917,34 +916,17 @@ def execute(coroutine: Coroutine[Any, Any, T]) -> T:
 
 @contextlib.asynccontextmanager
 async def audit_service(
-    settings: Settings, *, submits: bool = False, registry: ToolRegistry | None = None
+    settings: Settings, *, registry: ToolRegistry | None = None
 ) -> AsyncIterator[AuditService]:
-    """An AuditService over the configured ledger (and, to submit, the Agents API)."""
-    from toolledger.audit.service import AuditService, configured_gateway
-    from toolledger.store.engine import create_engine
+    """An AuditService over the configured ledger; a resolution is submitted to the Agents API
+    when one is configured (the gateway, and the SDK with it, is built only then)."""
+    from toolledger.audit.service import AuditService
 
-    _refuse_missing_sqlite_file(settings.database_url)
-    await ensure_schema(settings)
-    # Statement parameters are tool arguments and outputs: never in an error's text.
-    engine = create_engine(settings.database_url, hide_parameters=True)
-    gateway = configured_gateway(settings) if submits else None
-    try:
-        yield AuditService(engine, settings, redactor=settings.redactor(), gateway=gateway, registry=registry)
-    finally:
-        if gateway is not None:
-            await gateway.close()
-        await engine.dispose()
-
-
-def _refuse_missing_sqlite_file(url: str) -> None:
-    """Migrating would create an empty file: a mistyped path would look like an empty ledger."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return
-    if not Path(parsed.database).exists():
-        raise click.ClickException(f"no ledger file at {parsed.database} (`toolledger migrate` creates one)")
+    missing = missing_sqlite_file(settings.database_url)
+    if missing is not None:
+        raise click.ClickException(f"no ledger file at {missing} (`toolledger migrate` creates one)")
+    async with ledger_runtime(settings) as runtime:
+        yield AuditService(runtime, registry=registry)
 
 
 def _console() -> Console:

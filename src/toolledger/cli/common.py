@@ -4,17 +4,20 @@ coroutine with one-line errors, logging, loading the application's tools."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ValidationError
 
-from toolledger.errors import SchemaNotCurrentError, ToolLedgerError
+from toolledger.errors import ToolLedgerError
 
 if TYPE_CHECKING:
+    from toolledger.runtime.composition import Runtime
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.settings import Settings
 
@@ -101,18 +104,28 @@ base_url_option = click.option(
 )
 
 
-async def ensure_schema(settings: Settings) -> None:
+@contextlib.asynccontextmanager
+async def ledger_runtime(settings: Settings) -> AsyncIterator[Runtime]:
+    """The composition root's ``Runtime`` for a command that works on the ledger: its schema
+    brought to the current revision (SQLite) or found current (PostgreSQL), and everything
+    the runtime built closed when the command is done."""
+    from toolledger.runtime.composition import Runtime
+
+    async with Runtime.from_settings(settings) as runtime:
+        await runtime.ensure_schema()
+        yield runtime
+
+
+def missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite ledger file that does not exist (None if it exists or is not
+    SQLite): opening it would create an empty file, and a mistyped path would look like a
+    new, empty ledger."""
     from sqlalchemy.engine import make_url
 
-    from toolledger.store import migrate as migrations
-
-    url = settings.database_url
-    if make_url(url).get_backend_name() == "sqlite":
-        await asyncio.to_thread(migrations.upgrade, url)
-    elif not await asyncio.to_thread(migrations.is_current, url):
-        raise SchemaNotCurrentError(
-            "the ledger database is not at the current schema revision: run `toolledger migrate`"
-        )
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return None if Path(parsed.database).exists() else parsed.database
 
 
 def iso(moment: datetime | None) -> str | None:

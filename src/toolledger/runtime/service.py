@@ -39,6 +39,7 @@ from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.ledger import ToolLedger
 from toolledger.logs import log_fields
 from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
 from toolledger.runtime.failures import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
@@ -73,9 +74,14 @@ class Service:
         *,
         gateway: AgentsGateway | None = None,
         auto_migrate: bool | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
-        self.settings = settings or Settings()
-        self.ledger = ToolLedger(registry, self.settings, gateway=gateway, auto_migrate=auto_migrate)
+        """``runtime``: the engine, gateway and redactor to run on (left open when the service
+        stops); without it, one is built from ``settings`` (and ``gateway``, if given)."""
+        self.settings = settings or (runtime.settings if runtime is not None else Settings())
+        self.ledger = ToolLedger(
+            registry, self.settings, gateway=gateway, auto_migrate=auto_migrate, runtime=runtime
+        )
         # Session and call leases name the same process instance (store.liveness).
         self.replica_id = self.ledger.instance_id
         self._lock = self.ledger.serve_lock
@@ -91,7 +97,6 @@ class Service:
         """Set when the service cannot go on (the Agents API refused its credentials):
         ``failure`` says why; whoever runs the service should stop it."""
         self.failure: BaseException | None = None
-        self._own_gateway = gateway is None
         self._stopping = False
         self._started = False
         self._last_renewal = time.monotonic()
@@ -102,7 +107,7 @@ class Service:
     # ------------------------------------------------------------------ life
 
     async def start(self) -> Service:
-        if self._own_gateway and not self.settings.agents_api_configured:
+        if not self.ledger.runtime.agents_api_configured:
             raise ConfigurationError(
                 "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY for the OpenAI API, or "
                 "TOOLLEDGER_OPENAI_BASE_URL for another server (a `toolledger emulator`, say)"
@@ -121,7 +126,7 @@ class Service:
             raise
         _allow_many_connections()
         executor = self.ledger.executor
-        self._sessions = SessionStore(self.ledger.engine)
+        self._sessions = self.ledger.runtime.session_store()
         self._runner = CallRunner(
             executor, self.settings.max_concurrent_calls, on_report=self._note_report, on_fatal=self._fail
         )
