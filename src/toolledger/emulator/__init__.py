@@ -2,6 +2,8 @@
 
 It speaks the wire format of ``client.beta.agents`` and its sessions (openai >= 3.51), runs a
 scripted model, injects faults on request, and records every tool result it receives.
+It stands alone: it imports nothing of toolledger's outside this folder, and only the demo
+and the CLI (and tests and benchmarks) import it.
 """
 
 from toolledger.emulator.app import create_app
