@@ -10,6 +10,9 @@ from openai.types.beta.agent_session import (
     AgentSession,
     RequiredActionSessionRequiredActionResourceFunctionCall,
 )
+from openai.types.beta.agent_session_input_param import (
+    SessionInputParamAgentSessionInputToolResult as ToolResultParam,
+)
 
 from toolledger.emulator import Script
 
@@ -37,20 +40,33 @@ def start_turn(client: OpenAI, session_id: str, text: str = "go") -> None:
     )
 
 
+def tool_result(
+    action: FunctionCallAction,
+    *,
+    output: str | None = None,
+    error: str | None = None,
+    call_id: str | None = None,
+) -> ToolResultParam:
+    """The ``tool_result`` input event answering ``action`` (a failure when ``error`` is given)."""
+    event: ToolResultParam = {
+        "type": "agent.session.input.tool_result",
+        "turn_id": action.turn_id,
+        "call_id": call_id if call_id is not None else action.call_id,
+        "success": error is None,
+    }
+    if error is None:
+        event["output"] = output
+    else:
+        event["error"] = error
+    return event
+
+
 def submit(
     client: OpenAI, session_id: str, action: FunctionCallAction, *, output: str, key: str | None = None
 ) -> None:
     client.beta.agents.sessions.events.create(
         session_id,
-        events=[
-            {
-                "type": "agent.session.input.tool_result",
-                "turn_id": action.turn_id,
-                "call_id": action.call_id,
-                "success": True,
-                "output": output,
-            }
-        ],
+        events=[tool_result(action, output=output)],
         idempotency_key=key if key is not None else openai.omit,
     )
 

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 from openai.types.beta.agent_session import AgentSession
 
-from tests.emulator.session_driver import first_pending_call, new_session, start_turn
+from tests.emulator.session_driver import first_pending_call, new_session, start_turn, tool_result
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.emulator.app import MAX_BODY_BYTES
 
@@ -363,15 +363,7 @@ def test_tool_result__for_a_call_of_another_session__is_refused_as_unknown(clien
     with pytest.raises(openai.BadRequestError) as caught:
         client.beta.agents.sessions.events.create(
             stranger,
-            events=[
-                {
-                    "type": "agent.session.input.tool_result",
-                    "turn_id": action.turn_id,
-                    "call_id": action.call_id,
-                    "success": True,
-                    "output": "charged",
-                }
-            ],
+            events=[tool_result(action, output="charged")],
         )
 
     assert caught.value.message.endswith(f"Unknown pending tool call: {action.call_id}")

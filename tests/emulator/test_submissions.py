@@ -6,7 +6,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.emulator.session_driver import first_pending_call, new_session, start_turn, submit
+from tests.emulator.session_driver import first_pending_call, new_session, start_turn, submit, tool_result
 from toolledger.emulator import EmulatorServer, Script
 
 ONE_CALL = Script.of_calls([("charge_card", {"cents": 100})])
@@ -99,20 +99,8 @@ def test_batch__with_one_bad_result_applies_nothing(client: OpenAI, emulator: Em
         client.beta.agents.sessions.events.create(
             session_id,
             events=[
-                {
-                    "type": "agent.session.input.tool_result",
-                    "turn_id": action.turn_id,
-                    "call_id": action.call_id,
-                    "success": True,
-                    "output": "good",
-                },
-                {
-                    "type": "agent.session.input.tool_result",
-                    "turn_id": action.turn_id,
-                    "call_id": "call_nobody",
-                    "success": True,
-                    "output": "bad",
-                },
+                tool_result(action, output="good"),
+                tool_result(action, output="bad", call_id="call_nobody"),
             ],
         )
 
@@ -128,15 +116,7 @@ def test_failure_result__is_recorded_with_its_error(client: OpenAI, emulator: Em
 
     client.beta.agents.sessions.events.create(
         session_id,
-        events=[
-            {
-                "type": "agent.session.input.tool_result",
-                "turn_id": action.turn_id,
-                "call_id": action.call_id,
-                "success": False,
-                "error": "card declined",
-            }
-        ],
+        events=[tool_result(action, error="card declined")],
     )
 
     [receipt] = emulator.control.tool_results(session_id)

@@ -17,6 +17,7 @@ from tests.emulator.session_driver import (
     pending_calls,
     start_turn,
     submit,
+    tool_result,
     wait_for_status,
 )
 from toolledger.emulator import EmulatorServer, Script
@@ -111,15 +112,7 @@ def test_event_stream__sends_the_turns_events_in_order_with_unique_ids(client: O
                 assert action.arguments == {"order_id": "C"}
                 client.beta.agents.sessions.events.create(
                     session_id,
-                    events=[
-                        {
-                            "type": "agent.session.input.tool_result",
-                            "turn_id": action.turn_id,
-                            "call_id": action.call_id,
-                            "success": True,
-                            "output": "order C: shipped",
-                        }
-                    ],
+                    events=[tool_result(action, output="order C: shipped")],
                 )
             if event.type == "agent.session.idle":
                 break
