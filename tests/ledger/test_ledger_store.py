@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -762,3 +762,64 @@ async def test_pool_exhausted__is_a_transient_error_the_outcome_write_retries(po
         assert await store.get(CallKey("s", "t", "c")) is None  # the pool is free again
     finally:
         await engine.dispose()
+
+
+# ------------------------------------------------------------------------------- moments
+
+
+async def test_every_moment_is_read_back_aware_in_utc_whatever_the_session_zone(database_url: str) -> None:
+    """SQLite gives its UTC digits back naive, PostgreSQL gives timestamptz back in the
+    session's zone: the ledger's column type makes both an aware UTC datetime."""
+    far_from_utc = {"connect_args": {"options": "-c TimeZone=Asia/Kolkata"}}
+    engine = create_engine(database_url, **(far_from_utc if database_url.startswith("postgresql") else {}))
+    try:
+        store = LedgerStore(engine, actor=ACTOR)
+        running, finished = new_key(), new_key()
+        claimed = await record_running(store, running)
+        await record_succeeded(store, finished)
+        await store.mark_submitted(finished)
+        await store.mark_confirmed(finished)
+        done = await current(store, finished)
+        moments = [
+            claimed.created_at,
+            claimed.started_at,
+            claimed.lease_expires_at,
+            done.finished_at,
+            done.submitted_at,
+            done.confirmed_at,
+            *(e.at for e in await store.events(finished)),
+        ]
+        _, soonest = await LedgerStore(engine, actor=OTHER_ACTOR).held_elsewhere()
+        moments.append(soonest)
+
+        for moment in moments:
+            assert moment is not None
+            assert moment.utcoffset() == timedelta(0)
+        assert claimed.started_at is not None
+        assert claimed.lease_expires_at is not None
+        assert timedelta(seconds=LEASE_SECONDS - 5) < claimed.lease_expires_at - claimed.started_at
+    finally:
+        await engine.dispose()
+
+
+async def test_a_moment_written_in_another_zone_is_stored_as_the_same_instant(engine: AsyncEngine) -> None:
+    store = LedgerStore(engine, actor=ACTOR)
+    call = await record_running(store, new_key())
+    elsewhere = timezone(timedelta(hours=-7))
+    moment = datetime(2026, 12, 4, 9, 30, tzinfo=elsewhere)
+    async with engine.begin() as conn:
+        await conn.execute(
+            tool_calls.update()
+            .where(tool_calls.c.call_id == call.key.call_id)
+            .values(lease_expires_at=moment)
+        )
+        stored = (
+            await conn.execute(
+                select(tool_calls.c.call_id).where(
+                    tool_calls.c.lease_expires_at == datetime(2026, 12, 4, 16, 30, tzinfo=UTC)
+                )
+            )
+        ).scalar()
+
+    assert stored == call.key.call_id
+    assert (await current(store, call.key)).lease_expires_at == moment

@@ -142,8 +142,9 @@ class CallQuery:
         for name in ("since", "until"):
             moment = getattr(self, name)
             if moment is not None:
-                # SQLite keeps the ledger's times as UTC text and compares digits: a moment
-                # given in another zone must be turned into UTC, not just labelled.
+                # One zone for every moment a query holds (the store writes any zone as UTC
+                # itself): naive and aware moments could not be compared below, and a moment
+                # that UTC cannot represent is the user's error, not a crash in the store.
                 try:
                     utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
                 except OverflowError:

@@ -11,12 +11,14 @@ from datetime import datetime
 from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
-from sqlalchemy import DateTime, Float, event, exc
+from sqlalchemy import Float, event, exc
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import expression
 from sqlalchemy.sql.compiler import SQLCompiler
+
+from toolledger.store.schema import UtcDateTime
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -209,14 +211,14 @@ def _sqlite_functions(dbapi_connection: Any, _record: Any) -> None:
 class utc_now(expression.FunctionElement[datetime]):
     """The database's clock, so that workers with skewed clocks agree on lease expiry."""
 
-    type = DateTime(timezone=True)
+    type = UtcDateTime()
     inherit_cache = True
 
 
 class utc_after(expression.FunctionElement[datetime]):
     """The database's clock plus a number of seconds (a bound parameter)."""
 
-    type = DateTime(timezone=True)
+    type = UtcDateTime()
     inherit_cache = True
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from sqlalchemy import (
     DDL,
     BigInteger,
@@ -59,8 +61,30 @@ class StorableText(TypeDecorator[str]):
         return None if value is None else storable_text(value)
 
 
+class UtcDateTime(TypeDecorator[datetime]):
+    """A moment, read back as a timezone-aware UTC datetime on both databases: no reader
+    converts. PostgreSQL's timestamptz arrives in the session's time zone; SQLite keeps UTC
+    digits as text (``store.engine.utc_now``) and gives them back naive.
+
+    Written as UTC: a naive moment is taken to be UTC, an aware one is converted (on SQLite
+    the digits are what is compared, so 09:00+02:00 must be stored as 07:00)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return utc.replace(tzinfo=None) if dialect.name == "sqlite" else utc
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is UTC:
+            return value
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 ID = String(255)
-Timestamp = DateTime(timezone=True)
 
 _STATUSES = ", ".join(f"'{s.value}'" for s in CallStatus)
 _EFFECTS = ", ".join(f"'{e.value}'" for e in EffectClass)
@@ -101,16 +125,16 @@ tool_calls = Table(
     Column("attempt_count", Integer, nullable=False, server_default=text("0")),
     Column("lease_owner", String(255)),
     Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
-    Column("lease_expires_at", Timestamp),
+    Column("lease_expires_at", UtcDateTime()),
     Column("result", StorableText),
     Column("error_stage", String(16)),
     Column("error_detail", StorableText),
-    Column("created_at", Timestamp, nullable=False),
-    Column("started_at", Timestamp),
-    Column("finished_at", Timestamp),
-    Column("submitted_at", Timestamp),
-    Column("confirmed_at", Timestamp),
-    Column("updated_at", Timestamp, nullable=False),
+    Column("created_at", UtcDateTime(), nullable=False),
+    Column("started_at", UtcDateTime()),
+    Column("finished_at", UtcDateTime()),
+    Column("submitted_at", UtcDateTime()),
+    Column("confirmed_at", UtcDateTime()),
+    Column("updated_at", UtcDateTime(), nullable=False),
     Column("submission_count", Integer, nullable=False, server_default=text("0")),
     Column("last_submission_error", StorableText),
     Column("abandoned_reason", StorableText),
@@ -181,7 +205,7 @@ tool_call_events = Table(
     Column("session_id", ID, nullable=False),
     Column("turn_id", ID, nullable=False),
     Column("call_id", ID, nullable=False),
-    Column("at", Timestamp, nullable=False),
+    Column("at", UtcDateTime(), nullable=False),
     Column("actor", String(255), nullable=False),
     Column("kind", String(32), nullable=False),
     Column("from_status", String(16)),
@@ -205,12 +229,12 @@ sessions = Table(
     Column("watched", Boolean, nullable=False, server_default=text("true")),
     Column("owner", String(255)),
     Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
-    Column("lease_expires_at", Timestamp),
+    Column("lease_expires_at", UtcDateTime()),
     Column("last_event_id", String(255)),
-    Column("last_polled_at", Timestamp),
+    Column("last_polled_at", UtcDateTime()),
     Column("status", String(32)),
-    Column("created_at", Timestamp, nullable=False),
-    Column("updated_at", Timestamp, nullable=False),
+    Column("created_at", UtcDateTime(), nullable=False),
+    Column("updated_at", UtcDateTime(), nullable=False),
     Column("reason", StorableText),
     Index("ix_sessions_owner", "owner"),
 )
@@ -221,8 +245,8 @@ replicas = Table(
     Column("replica_id", ID, primary_key=True),
     Column("hostname", String(255), nullable=False),
     Column("pid", Integer, nullable=False),
-    Column("started_at", Timestamp, nullable=False),
-    Column("heartbeat_at", Timestamp, nullable=False),
-    Column("expires_at", Timestamp, nullable=False),
+    Column("started_at", UtcDateTime(), nullable=False),
+    Column("heartbeat_at", UtcDateTime(), nullable=False),
+    Column("expires_at", UtcDateTime(), nullable=False),
 )
 """Live ``serve`` processes: each takes a fair share of the watched sessions."""
