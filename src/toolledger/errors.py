@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from toolledger.domain.submissions import SubmissionFailure
+
 
 class ToolLedgerError(Exception):
     code = "toolledger_error"
@@ -39,19 +41,20 @@ class SubmissionError(ToolLedgerError):
     """The Agents API refused a result for good, or kept failing past the retry policy.
 
     ``kind``: ``retryable`` (a later resubmission may succeed), ``not_pending`` (the session
-    does not await this call), ``already_answered`` (the session holds a result for it) or
-    ``refused`` (any other refusal).
+    does not await this call), ``already_answered`` (the session holds a result for it),
+    ``session_gone`` or ``refused`` (any other refusal): a ``SubmissionFailure``, as the
+    gateway classified it.
     """
 
     code = "submission_failed"
 
-    def __init__(self, message: str, *, kind: str) -> None:
+    def __init__(self, message: str, *, kind: SubmissionFailure) -> None:
         super().__init__(message)
         self.kind = kind
 
     @property
     def retryable(self) -> bool:
-        return self.kind == "retryable"
+        return self.kind is SubmissionFailure.RETRYABLE
 
 
 class SessionGoneError(SubmissionError):
@@ -60,7 +63,7 @@ class SessionGoneError(SubmissionError):
     code = "session_gone"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, kind="session_gone")
+        super().__init__(message, kind=SubmissionFailure.SESSION_GONE)
 
 
 class StreamInterruptedError(ToolLedgerError):

@@ -19,6 +19,7 @@ from openai.types.beta.agent_session_input_param import SessionInputParamAgentSe
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from toolledger import crashpoints, metrics
+from toolledger.domain.submissions import SubmissionFailure
 from toolledger.errors import (
     AgentsAuthError,
     AgentsUnavailableError,
@@ -26,7 +27,7 @@ from toolledger.errors import (
     StreamInterruptedError,
     SubmissionError,
 )
-from toolledger.gateway.classify import Failure, classify, describe, retry_after_seconds
+from toolledger.gateway.classify import classify, describe, retry_after_seconds
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
 
@@ -93,11 +94,12 @@ class AgentsGateway:
         def should_retry(error: BaseException) -> bool:
             nonlocal races
             kind = classify(error, payload.get("call_id"))
-            if kind is Failure.PENDING_RACE and expect_pending:
+            if kind is SubmissionFailure.NOT_PENDING and expect_pending:
+                # Listed a moment ago: the service has not registered the call yet.
                 races += 1
                 retry = races < self._race_attempts
             else:
-                retry = kind is Failure.RETRYABLE
+                retry = kind is SubmissionFailure.RETRYABLE
             if retry:
                 metrics.RETRIES.labels("submission").inc()
             return retry
@@ -121,9 +123,10 @@ class AgentsGateway:
             raise _auth_error(error) from error
         except openai.OpenAIError as error:
             kind = classify(error, payload.get("call_id"))
-            if kind is Failure.SESSION_GONE:
+            if kind is SubmissionFailure.SESSION_GONE:
                 raise SessionGoneError(f"session {session_id} not found") from error
-            raise SubmissionError(describe(error), kind=_SUBMISSION_KINDS[kind]) from error
+            # Still "not pending" after the race retries while listed: the next reconcile decides.
+            raise SubmissionError(describe(error), kind=kind) from error
 
     def _wait(self, state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -153,7 +156,7 @@ class AgentsGateway:
         except _REFUSED_CREDENTIALS as error:
             raise _auth_error(error) from error
         except openai.OpenAIError as error:
-            if classify(error) is Failure.RETRYABLE:
+            if classify(error) is SubmissionFailure.RETRYABLE:
                 raise AgentsUnavailableError(describe(error)) from error
             raise
 
@@ -256,13 +259,3 @@ async def _crash_when_submission_accepted(response: httpx2.Response) -> None:
     request = response.request
     if request.method == "POST" and request.url.path.endswith("/events") and response.is_success:
         crashpoints.crash_point(crashpoints.CP_SUBMIT_ACCEPTED)
-
-
-_SUBMISSION_KINDS = {
-    Failure.RETRYABLE: "retryable",
-    # Still unknown after the race retries while listed: the next reconcile decides.
-    Failure.PENDING_RACE: "not_pending",
-    Failure.ALREADY_ANSWERED: "already_answered",
-    Failure.REFUSED: "refused",
-    Failure.SESSION_GONE: "session_gone",
-}

@@ -2,43 +2,31 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import openai
+
+from toolledger.domain.submissions import SubmissionFailure
 
 PENDING_RACE_CODE = "invalid_request_error"
 PENDING_RACE_PREFIX = "Unknown pending tool call: "
 ALREADY_ANSWERED_CODE = "tool_result_already_submitted"
 
 
-class Failure(StrEnum):
-    RETRYABLE = "retryable"
-    """Transport errors, timeouts, 408, 409, 429 and 5xx: the same request may be sent again."""
-    PENDING_RACE = "pending_race"
-    """The call was announced before the service registered it: retry shortly."""
-    ALREADY_ANSWERED = "already_answered"
-    """The session already holds a result for this call (an earlier submission landed)."""
-    SESSION_GONE = "session_gone"
-    """404: the session no longer exists."""
-    REFUSED = "refused"
-    """Any other 4xx: sending it again will not help."""
-
-
-def classify(error: BaseException, call_id: str | None = None) -> Failure:
+def classify(error: BaseException, call_id: str | None = None) -> SubmissionFailure:
+    """What an error of the SDK means for a submission of call ``call_id`` (any call when None)."""
     if isinstance(error, openai.APIConnectionError):  # includes APITimeoutError
-        return Failure.RETRYABLE
+        return SubmissionFailure.RETRYABLE
     if isinstance(error, openai.APIStatusError):
         status = error.status_code
         if status in (408, 409, 429) or status >= 500:
-            return Failure.RETRYABLE
+            return SubmissionFailure.RETRYABLE
         if status == 404:
-            return Failure.SESSION_GONE
+            return SubmissionFailure.SESSION_GONE
         if status == 400 and is_pending_race(error, call_id):
-            return Failure.PENDING_RACE
+            return SubmissionFailure.NOT_PENDING
         if status == 400 and _error_code(error) == ALREADY_ANSWERED_CODE:
-            return Failure.ALREADY_ANSWERED
-        return Failure.REFUSED
-    return Failure.REFUSED
+            return SubmissionFailure.ALREADY_ANSWERED
+        return SubmissionFailure.REFUSED
+    return SubmissionFailure.REFUSED
 
 
 def is_pending_race(error: openai.APIStatusError, call_id: str | None) -> bool:
