@@ -6,11 +6,13 @@ ledger's transaction for the transactional tool), results by the emulator's reco
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +188,26 @@ async def test_sigkill__a_redelivered_call_after_the_crash_is_not_run_twice(
 
     assert len(effects_file.read_text().splitlines()) == 1
     assert len([r for r in emulator.control.tool_results(session_id) if r.outcome == "accepted"]) == 1
+
+
+def test_each_crash_point_is_passed_at_exactly_one_place() -> None:
+    """A crash point names one moment of a call's life (``after_handler`` was passed at two
+    places, one per kind of tool); ``inside_handler`` is for test tools only."""
+    passed: Counter[str] = Counter()
+    for path in (ROOT / "src" / "toolledger").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _name_of(node.func) == "crash_point" and node.args:
+                passed[_name_of(node.args[0])] += 1
+
+    points = {name: getattr(cp, name) for name in dir(cp) if name.startswith("CP_")}
+    assert set(points.values()) == cp.ALL_POINTS
+    assert {name: passed[name] for name in points if name != "CP_INSIDE_HANDLER"} == {
+        name: 1 for name in points if name != "CP_INSIDE_HANDLER"
+    }
+    assert passed["CP_INSIDE_HANDLER"] == 0
+
+
+def _name_of(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""

@@ -12,6 +12,8 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, event, func, select
 
 from tests.ledger.executor_harness import current_actions, pending_actions, running_ledger
+from toolledger.domain import delivered as delivered_module
+from toolledger.domain import keys
 from toolledger.domain.keys import CallKey
 from toolledger.domain.results import (
     FAILED_MESSAGE,
@@ -25,6 +27,7 @@ from toolledger.domain.results import (
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.ledger import ToolLedger
+from toolledger.runtime import executor as executor_module
 from toolledger.runtime.calls import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
@@ -95,6 +98,33 @@ async def test_handle__repeated_action_resubmits_without_running_again(
     assert {r.idempotency_key for r in emulator.control.tool_results(session_id)} == {
         CallKey(session_id, action.turn_id, action.call_id).idempotency_key
     }
+
+
+async def test_handle__reads_the_delivered_arguments_once(
+    sqlite_url: str, emulator: EmulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They were decoded for the refusal check, and again from the stored text for the run."""
+    registry = ToolRegistry()
+
+    @registry.tool
+    def send_mail(to: str) -> str:
+        return f"sent to {to}"
+
+    decoded: list[str] = []
+
+    def counting(text: str, max_bytes: int) -> dict[str, Any]:
+        decoded.append(text)
+        return keys.parse_arguments(text, max_bytes)
+
+    for module in (delivered_module, executor_module):
+        monkeypatch.setattr(module, "parse_arguments", counting)
+    session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
+    async with running_ledger(registry, sqlite_url, emulator) as ledger:
+        report = await ledger.handle(session_id, action)
+
+    assert report.action == "executed"
+    assert report.submitted
+    assert len(decoded) == 1
 
 
 async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_listing(

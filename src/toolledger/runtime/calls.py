@@ -16,11 +16,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from toolledger.domain.delivered import delivered_key
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.errors import AgentsAuthError
-from toolledger.runtime.executor import Executor, HandleReport
+from toolledger.runtime.executor import Executor, HandleAction, HandleReport
 from toolledger.runtime.failures import log_failure, note_interruption
 
 log = logging.getLogger("toolledger.calls")
@@ -60,14 +61,16 @@ class CallRunner:
     ) -> asyncio.Task[HandleReport] | None:
         """Start handling a ``function_call`` action (or join the run already going on);
         ``known`` as for ``Executor.handle``."""
-        key = CallKey(session_id, _field(action, "turn_id"), _field(action, "call_id"))
+        key = delivered_key(session_id, action)
         running = self._inflight.get(key)
         if running is not None:
             return running
         if not self._accepting:
             return None
         if self._just_submitted(key):
-            return self._finished(HandleReport(key, "already_submitted", CallStatus.SUBMITTED, True))
+            return self._finished(
+                HandleReport(key, HandleAction.ALREADY_SUBMITTED, CallStatus.SUBMITTED, True)
+            )
         task = asyncio.create_task(self._run(key, action, known), name=f"call {key}")
         self._inflight[key] = task
         task.add_done_callback(lambda _: self._inflight.pop(key, None))
@@ -93,7 +96,7 @@ class CallRunner:
         return accepted_at is not None and time.monotonic() - accepted_at < window
 
     def _remember(self, report: HandleReport) -> None:
-        if report.submitted and report.action != "already_submitted":
+        if report.submitted and report.action is not HandleAction.ALREADY_SUBMITTED:
             self._submitted[report.key] = time.monotonic()
             self._submitted.move_to_end(report.key)
             if len(self._submitted) > SUBMITTED_REMEMBERED:
@@ -117,16 +120,16 @@ class CallRunner:
             except AgentsAuthError as error:
                 if self._on_fatal is not None:
                     self._on_fatal(error)
-                return HandleReport(key, "error", None)
+                return HandleReport(key, HandleAction.ERROR, None)
             except Exception:
                 # Most likely the database or the API is away. The ledger holds how far the
                 # call got; the reconciler picks it up from there.
                 log_failure(log, "handling call %s stopped", key)
-                return HandleReport(key, "error", None)
+                return HandleReport(key, HandleAction.ERROR, None)
             except BaseException:
                 # A handler's own BaseException: the call's lease will expire into `unknown`.
                 note_interruption(log, "handling call %s interrupted", key)
-                return HandleReport(key, "interrupted", None)
+                return HandleReport(key, HandleAction.INTERRUPTED, None)
 
     async def drain(self, grace: float) -> int:
         """Take no new calls; wait up to ``grace`` seconds for running ones, then cancel the
@@ -141,8 +144,3 @@ class CallRunner:
             task.cancel()
         await asyncio.gather(*still_running, return_exceptions=True)
         return len(still_running)
-
-
-def _field(action: Any, name: str) -> str:
-    value = action[name] if isinstance(action, dict) else getattr(action, name)
-    return str(value)

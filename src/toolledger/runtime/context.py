@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from toolledger.domain.keys import CallKey
@@ -68,24 +69,31 @@ def reset_context(token: Token[ToolContext]) -> None:
     _current.reset(token)
 
 
+class VerifyAnswer(StrEnum):
+    EXECUTED = "executed"
+    NOT_EXECUTED = "not_executed"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True)
 class Verification:
     """A verify hook's answer: did the first run of this call happen downstream?"""
 
-    kind: str
+    kind: VerifyAnswer
+    """Anything else a hook may spell here counts as ``unknown``."""
     output: Any = None
 
     @classmethod
     def executed(cls, output: Any) -> Verification:
         """It happened; ``output`` is the result to give the model."""
-        return cls("executed", output)
+        return cls(VerifyAnswer.EXECUTED, output)
 
     @classmethod
     def not_executed(cls) -> Verification:
         """It did not happen: running the call now is safe."""
-        return cls("not_executed")
+        return cls(VerifyAnswer.NOT_EXECUTED)
 
     @classmethod
     def unknown(cls) -> Verification:
         """Cannot tell: the call waits for an operator."""
-        return cls("unknown")
+        return cls(VerifyAnswer.UNKNOWN)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolledger.crashpoints import CP_DURING_RECONCILE, crash_point
+from toolledger.domain.delivered import delivered_key
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
 from toolledger.domain.states import RESULT_STATUSES, CallStatus
@@ -151,7 +152,7 @@ class Reconciler:
         listed: dict[CallKey, FunctionCallAction] = {}
         for action in session.required_actions:
             if isinstance(action, FunctionCallAction):
-                listed[CallKey(session_id, action.turn_id, action.call_id)] = action
+                listed[delivered_key(session_id, action)] = action
             else:
                 self.note_foreign_action(session_id, action)
                 result.actions["left_alone"] += 1

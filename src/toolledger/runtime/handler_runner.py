@@ -1,0 +1,272 @@
+"""Runs the application's code for a claimed call: its handler (with timeout, retries and a
+lease heartbeat) and its verify hook, and turns whatever happens into the result the model
+gets. What the result then becomes in the ledger is the caller's to say (``KeepOutcome``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+from typing import Any
+
+import pydantic
+from sqlalchemy.ext.asyncio import AsyncConnection
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from toolledger import metrics
+from toolledger.domain.keys import CallKey
+from toolledger.domain.records import CallRecord
+from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
+from toolledger.domain.results import (
+    FAILED_MESSAGE,
+    OUTPUT_FAILED_MESSAGE,
+    TIMEOUT_MESSAGE,
+    FailureStage,
+    Outcome,
+    OutputError,
+    ToolError,
+    failed,
+    normalize_output,
+    succeeded,
+    tool_error_message,
+    validation_message,
+)
+from toolledger.runtime.context import ToolContext, VerifyAnswer, bind_context, reset_context
+from toolledger.runtime.decider import Verified
+from toolledger.runtime.registry import RegisteredTool
+from toolledger.settings import Settings
+from toolledger.store.engine import write_lock
+from toolledger.store.ledger import LedgerStore
+from toolledger.tracing import CallSpan, call_span
+
+log = logging.getLogger("toolledger.executor")
+
+KeepOutcome = Callable[[Outcome, AsyncConnection | None], Awaitable[CallRecord]]
+"""Stores a handler's outcome: in the given connection's transaction (a transactional tool's,
+so that its writes and its result commit together), or on its own when None."""
+
+
+class HandlerRunner:
+    def __init__(self, store: LedgerStore, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+
+    async def run(
+        self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
+    ) -> CallRecord:
+        """Run the handler under the call's lease, then ``keep`` its outcome."""
+        heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
+        try:
+            outcome = await self._invoke(tool, self.context(tool, call), arguments)
+        finally:
+            heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await heartbeat
+        return await keep(outcome, None)
+
+    async def run_transactional(
+        self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
+    ) -> CallRecord:
+        """The handler writes through the ledger's transaction; its result joins that commit."""
+        heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
+        try:
+            # On SQLite the tool's writes and the result are this process's writer meanwhile.
+            async with write_lock(self.store.engine), self.store.engine.connect() as connection:
+                transaction = await connection.begin()
+                context = self.context(tool, call)
+                if tool.is_async:
+                    outcome = await self._invoke(tool, replace(context, db=connection), arguments)
+                else:
+                    outcome = await connection.run_sync(
+                        lambda sync_connection: self._invoke_inline(
+                            tool, replace(context, db=sync_connection), arguments
+                        )
+                    )
+                if outcome.success:
+                    done = await keep(outcome, connection)
+                    await transaction.commit()
+                    return done
+                # A failed handler's writes are rolled back; its failure result is still kept.
+                await transaction.rollback()
+        finally:
+            heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await heartbeat
+        return await keep(outcome, None)
+
+    async def verify(self, tool: RegisteredTool, call: CallRecord) -> Verified:
+        """Ask the downstream system whether the first run happened; with its result if so."""
+        assert tool.verify is not None
+        try:
+            answer = tool.verify(self.context(tool, call))
+            verification = await answer if inspect.isawaitable(answer) else answer
+        except Exception as error:
+            # The traceback (redacted) goes to the audit trail; the log gets one line.
+            log.warning("verify hook of %s failed for %s (%s)", tool.name, call.key, type(error).__name__)
+            await self.store.flag(
+                call.key, "verify_failed", "verify hook raised", detail=traceback.format_exc()
+            )
+            return Verified(VerifyAnswer.UNKNOWN)
+        if verification.kind == VerifyAnswer.NOT_EXECUTED:
+            return Verified(VerifyAnswer.NOT_EXECUTED)
+        if verification.kind != VerifyAnswer.EXECUTED:
+            return Verified(VerifyAnswer.UNKNOWN)
+        try:
+            output = normalize_output(verification.output, self.settings.max_output_bytes)
+        except OutputError as error:
+            return Verified(VerifyAnswer.EXECUTED, failed(call.key, str(error), FailureStage.OUTPUT))
+        return Verified(VerifyAnswer.EXECUTED, succeeded(call.key, output))
+
+    def context(self, tool: RegisteredTool, call: CallRecord) -> ToolContext:
+        return ToolContext(
+            key=call.key,
+            tool_name=tool.name,
+            attempt=call.attempt_count,
+            idempotency_key=call.idempotency_key,
+            max_output_bytes=self.settings.max_output_bytes,
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"toolledger.tools.{tool.name}"),
+                {"session_id": call.key.session_id, "turn_id": call.key.turn_id, "call_id": call.key.call_id},
+            ),
+        )
+
+    async def _invoke(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> Outcome:
+        """Run the handler and turn whatever happens into the result the model gets."""
+        stage = _Stage()
+
+        async def attempt_once() -> Any:
+            deadline = asyncio.timeout(
+                tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
+            )
+            try:
+                async with deadline:
+                    if tool.is_async:
+                        value = tool.function_tool._call(arguments, stage.set)
+                    else:
+                        # to_thread copies the context, so current_context() works in the thread.
+                        value = await asyncio.to_thread(_call_in_thread, tool, arguments, stage.set)
+                    return await value if inspect.isawaitable(value) else value
+            except TimeoutError:
+                if deadline.expired():
+                    raise _HandlerTimeout from None
+                raise
+
+        with _handler_run(tool, context) as span:
+            try:
+                if tool.retries:
+                    async for attempt in AsyncRetrying(
+                        stop=stop_after_attempt(tool.retries + 1),
+                        wait=wait_exponential(multiplier=0.05, max=2),
+                        retry=retry_if_exception_type(tool.retry_on),
+                        reraise=True,
+                    ):
+                        with attempt:
+                            value = await attempt_once()
+                else:
+                    value = await attempt_once()
+                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+            except Exception as error:
+                outcome = _failure(context.key, error, stage, self.store.redactor)
+            _note_outcome(span, outcome)
+            return outcome
+
+    def _invoke_inline(
+        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
+    ) -> Outcome:
+        """A sync transactional handler: run on this thread, inside the connection's greenlet,
+        so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
+        stage = _Stage()
+        with _handler_run(tool, context) as span:
+            try:
+                for attempt in range(tool.retries + 1):
+                    try:
+                        value = tool.function_tool._call(arguments, stage.set)
+                        break
+                    except tool.retry_on:
+                        if attempt == tool.retries:
+                            raise
+                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+            except Exception as error:
+                outcome = _failure(context.key, error, stage, self.store.redactor)
+            _note_outcome(span, outcome)
+            return outcome
+
+    async def _heartbeat(self, key: CallKey, token: int) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            try:
+                if not await self.store.heartbeat(key, token, self.settings.lease_seconds):
+                    log.warning("call %s: lease lost (fenced); its result will be refused", key)
+                    return
+            except Exception:
+                log.exception("heartbeat for %s failed; retrying", key)
+
+
+def _call_in_thread(tool: RegisteredTool, arguments: dict[str, Any], on_stage: Any) -> Any:
+    try:
+        return tool.function_tool._call(arguments, on_stage)
+    except StopIteration as error:
+        # A StopIteration cannot cross into a Future (asyncio would hang until the timeout).
+        raise RuntimeError("the handler raised StopIteration") from error
+
+
+class _HandlerTimeout(Exception):
+    pass
+
+
+class _Stage:
+    """Where a handler call is: the SDK reports 'arguments' until validation passed."""
+
+    def __init__(self) -> None:
+        self.value = "arguments"
+
+    def set(self, value: str) -> None:
+        self.value = value
+
+
+@contextmanager
+def _handler_run(tool: RegisteredTool, context: ToolContext) -> Iterator[CallSpan]:
+    """The handler's run as the tool sees it (its context bound) and as operators measure it
+    (a duration per tool, a span)."""
+    reset = bind_context(context)
+    started = time.perf_counter()
+    try:
+        with call_span(
+            "toolledger.handler", context.key, tool=tool.name, effect_class=tool.effect.value
+        ) as span:
+            yield span
+    finally:
+        metrics.HANDLER_DURATION.labels(tool.name).observe(time.perf_counter() - started)
+        reset_context(reset)
+
+
+def _note_outcome(span: CallSpan, outcome: Outcome) -> None:
+    span.set("outcome", "succeeded" if outcome.success else "failed")
+    if outcome.stage is not None:
+        span.failed(f"handler failed at {outcome.stage.value}")
+
+
+def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR) -> Outcome:
+    """The result the model gets for a failure: never the exception's own text."""
+    if isinstance(error, ToolError):
+        return failed(key, tool_error_message(error, redactor), FailureStage.EXECUTION)
+    if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
+        return failed(key, validation_message(error, redactor), FailureStage.ARGUMENTS)
+    if isinstance(error, _HandlerTimeout):
+        return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
+    try:
+        detail = "".join(traceback.format_exception(error))
+    except Exception:  # an exception whose own __str__ or __repr__ fails
+        detail = f"{type(error).__qualname__} (its text could not be rendered)"
+    if isinstance(error, OutputError):
+        return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
+    if stage.value == "output":  # the SDK failed to serialise what the handler returned
+        return failed(key, OUTPUT_FAILED_MESSAGE, FailureStage.OUTPUT, detail=detail)
+    # The (redacted) traceback stays in the audit trail only.
+    return failed(key, FAILED_MESSAGE, FailureStage.EXECUTION, detail=detail)
