@@ -823,3 +823,31 @@ async def test_a_moment_written_in_another_zone_is_stored_as_the_same_instant(en
 
     assert stored == call.key.call_id
     assert (await current(store, call.key)).lease_expires_at == moment
+
+
+# ------------------------------------------------------------------- one executor per database
+
+
+async def test_a_ledger_store_is_the_executor_of_its_engines_database(engine: AsyncEngine) -> None:
+    from toolledger.store.ledger_postgres import PostgresLedger
+    from toolledger.store.ledger_sqlite import SqliteLedger
+
+    store = LedgerStore(engine, actor=ACTOR, owner="replica-1")
+
+    expected = PostgresLedger if engine.dialect.name == "postgresql" else SqliteLedger
+    assert type(store) is expected
+    assert isinstance(store, LedgerStore)
+    assert (store.engine, store.actor, store.owner) == (engine, ACTOR, "replica-1")
+
+
+async def test_claim__only_from_the_catalogues_sources_whatever_the_caller_lists(
+    store: LedgerStore, other: LedgerStore
+) -> None:
+    """A submitted call is never claimed again, even by a caller that lists every state."""
+    key = new_key()
+    await record_succeeded(store, key)
+    submitted = await store.mark_submitted(key)
+    assert submitted is not None
+
+    assert await other.claim(key, from_statuses=list(CallStatus), lease_seconds=1, reason="x") is None
+    assert await current(store, key) == submitted
