@@ -23,8 +23,8 @@ from benchmarks.audit import connect, libpq_url, recreate_database, seed
 from benchmarks.report import Figure, median, percentile
 from toolledger.domain.keys import CallKey
 from toolledger.gateway.agents import AgentsGateway
-from toolledger.ledger import ToolLedger
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 from toolledger.store import migrate
 

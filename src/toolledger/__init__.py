@@ -16,7 +16,7 @@ _EXPORTS = {
     "Settings": "toolledger.settings",
     "ToolContext": "toolledger.runtime.context",
     "ToolError": "toolledger.domain.results",
-    "ToolLedger": "toolledger.ledger",
+    "ToolLedger": "toolledger.runtime.tool_ledger",
     "ToolRegistry": "toolledger.runtime.registry",
     "Verification": "toolledger.runtime.context",
     "current_context": "toolledger.runtime.context",
@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     from toolledger.domain.keys import CallKey
     from toolledger.domain.results import ToolError
     from toolledger.domain.states import CallStatus, EffectClass
-    from toolledger.ledger import ToolLedger
     from toolledger.runtime.context import ToolContext, Verification, current_context
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.runtime.service import Service
+    from toolledger.runtime.tool_ledger import ToolLedger
     from toolledger.settings import Settings
 
 

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
 
 from tests.service.tools import registry
-from toolledger.ledger import ToolLedger
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall

@@ -31,8 +31,8 @@ from toolledger.domain.results import OUTPUT_TOO_LARGE_MESSAGE, TOOL_ERROR_MAX_C
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.emulator.app import MAX_BODY_BYTES
-from toolledger.ledger import ToolLedger
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 
 CANARY = "zebra-CANARY-4711-quokka"
 """Placed in the arguments (or outputs) of every case: it must never come back in a result.

@@ -74,9 +74,9 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.ledger import ToolLedger
 from toolledger.runtime.reconciler import Reconciler
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 from toolledger.store.sessions import SessionStore
 

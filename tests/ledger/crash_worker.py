@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
 
 from tests.ledger.crash_tools import registry
-from toolledger.ledger import ToolLedger
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 
 LEASE_SECONDS = 0.5

@@ -11,8 +11,8 @@ from openai import AsyncOpenAI
 from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
 
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.ledger import ToolLedger
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall

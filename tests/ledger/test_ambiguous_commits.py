@@ -17,9 +17,9 @@ from tests.ledger.executor_harness import pending_actions, running_ledger
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
-from toolledger.ledger import ToolLedger
 from toolledger.runtime.context import ToolContext
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.store.ledger import LedgerStore
 
 TRIES = 20

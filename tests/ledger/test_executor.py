@@ -26,11 +26,11 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
-from toolledger.ledger import ToolLedger
 from toolledger.runtime import executor as executor_module
 from toolledger.runtime.calls import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.store.engine import create_engine
 
 SECRET = "sk-proj-CANARYCANARYCANARY"  # noqa: S105 - a canary, not a credential

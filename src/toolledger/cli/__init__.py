@@ -484,8 +484,8 @@ async def _reconcile(
     *,
     run_handlers: bool,
 ) -> dict[str, Any]:
-    from toolledger.ledger import ToolLedger
     from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
+    from toolledger.runtime.tool_ledger import ToolLedger
 
     # No serve lock: a pass decides nothing the ledger does not, so it may run beside `serve`.
     async with ToolLedger(registry, settings, run_handlers=run_handlers) as ledger:

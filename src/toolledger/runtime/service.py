@@ -36,7 +36,6 @@ from toolledger.errors import (
     StreamInterruptedError,
 )
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
-from toolledger.ledger import ToolLedger
 from toolledger.logs import log_fields
 from toolledger.runtime.calls import CallRunner
 from toolledger.runtime.composition import Runtime
@@ -44,6 +43,7 @@ from toolledger.runtime.executor import HandleReport
 from toolledger.runtime.failures import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 from toolledger.store.sessions import SessionStore
 

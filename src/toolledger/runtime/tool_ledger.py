@@ -1,4 +1,5 @@
-"""``ToolLedger``: the parts put together, for applications and for the service.
+"""``ToolLedger``: the parts put together, for applications and for the service (its
+engine, gateway and stores come from a ``composition.Runtime``).
 
 async with ToolLedger(registry, Settings()) as ledger:
     report = await ledger.handle(session_id, required_action)
