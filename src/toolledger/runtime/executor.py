@@ -15,7 +15,7 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolledger.crashpoints import (
     CP_AFTER_CLAIM_COMMIT,
@@ -56,6 +56,9 @@ from toolledger.store.engine import finished_on_sqlite
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.liveness import Liveness
 from toolledger.tracing import CallSpan, call_span
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
 __all__ = [
     "LEASE_WAKE_MARGIN",
@@ -339,7 +342,7 @@ class Executor:
             outcome = failed(call.key, str(error), FailureStage.ARGUMENTS)
             return await self.store.complete(call.key, token, outcome)
 
-        async def keep(outcome: Outcome, connection: Any) -> CallRecord:
+        async def keep(outcome: Outcome, connection: AsyncConnection | None) -> CallRecord:
             # The one moment the handler has returned and its outcome is in this process only.
             crash_point(CP_AFTER_HANDLER)
             if connection is not None:
@@ -350,9 +353,11 @@ class Executor:
             # On SQLite its transaction holds the file's write lock: it ends by commit or
             # rollback, never cut off mid-statement (see run_to_completion). Its handler's
             # timeout bounds the wait at shutdown.
-            return await finished_on_sqlite(
+            done = await finished_on_sqlite(
                 self.store.engine, self.handlers.run_transactional(tool, call, arguments, keep)
             )
+            # A failure's writes are rolled back; the failure result is still kept.
+            return done if isinstance(done, CallRecord) else await keep(done, None)
         return await self.handlers.run(tool, call, arguments, keep)
 
     def _arguments(self, call: CallRecord, delivered: DeliveredCall | None) -> dict[str, Any]:

@@ -13,10 +13,9 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
-from sqlalchemy.ext.asyncio import AsyncConnection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from toolledger import metrics
@@ -45,11 +44,14 @@ from toolledger.store.engine import write_lock
 from toolledger.store.ledger import LedgerStore
 from toolledger.tracing import CallSpan, call_span
 
-log = logging.getLogger("toolledger.executor")
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
-KeepOutcome = Callable[[Outcome, AsyncConnection | None], Awaitable[CallRecord]]
-"""Stores a handler's outcome: in the given connection's transaction (a transactional tool's,
-so that its writes and its result commit together), or on its own when None."""
+    KeepOutcome = Callable[[Outcome, AsyncConnection | None], Awaitable[CallRecord]]
+    """Stores a handler's outcome: in the given connection's transaction (a transactional
+    tool's, so that its writes and its result commit together), or on its own when None."""
+
+log = logging.getLogger("toolledger.executor")
 
 
 class HandlerRunner:
@@ -72,8 +74,10 @@ class HandlerRunner:
 
     async def run_transactional(
         self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
-    ) -> CallRecord:
-        """The handler writes through the ledger's transaction; its result joins that commit."""
+    ) -> CallRecord | Outcome:
+        """The handler writes through the ledger's transaction; its result joins that commit
+        (``keep`` in the transaction), and the stored call is returned. A failed handler's
+        writes are rolled back and its failure returned, for the caller to keep."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
             # On SQLite the tool's writes and the result are this process's writer meanwhile.
@@ -92,13 +96,12 @@ class HandlerRunner:
                     done = await keep(outcome, connection)
                     await transaction.commit()
                     return done
-                # A failed handler's writes are rolled back; its failure result is still kept.
                 await transaction.rollback()
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
                 await heartbeat
-        return await keep(outcome, None)
+        return outcome
 
     async def verify(self, tool: RegisteredTool, call: CallRecord) -> Verified:
         """Ask the downstream system whether the first run happened; with its result if so."""
