@@ -42,11 +42,12 @@ from toolledger.domain.states import (
     Transition,
 )
 from toolledger.errors import FencedError, TransitionError
-from toolledger.store.engine import seconds_until, utc_after, utc_now
+from toolledger.store.engine import seconds_until, utc_now
 from toolledger.store.rows import call_events, call_record
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 from toolledger.store.transitions import (
     CONFIRM,
+    HEARTBEAT,
     KEY_COLUMNS,
     LEASE_RAN_OUT,
     RESUBMISSION,
@@ -152,17 +153,9 @@ class LedgerStore:
 
     async def heartbeat(self, key: CallKey, token: int, lease_seconds: float) -> bool:
         """Extend a running call's lease; False when the lease was lost (fenced)."""
+        params = {**key_params(key), "p_token": token, "p_lease_seconds": float(lease_seconds)}
         async with self._writing() as conn:
-            result = await conn.execute(
-                tool_calls.update()
-                .where(
-                    _where_key(key),
-                    tool_calls.c.status == CallStatus.RUNNING.value,
-                    tool_calls.c.lease_token == token,
-                )
-                .values(lease_expires_at=utc_after(float(lease_seconds)), updated_at=utc_now())
-            )
-            return result.rowcount == 1
+            return (await conn.execute(HEARTBEAT, params)).rowcount == 1
 
     async def complete(
         self, key: CallKey, token: int, outcome: Outcome, *, connection: AsyncConnection | None = None

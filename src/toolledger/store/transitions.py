@@ -132,6 +132,19 @@ def record_insert(insert: Callable[..., Any]) -> Any:
     )
 
 
+HEARTBEAT = (
+    tool_calls.update()
+    .where(
+        KEY_MATCH,
+        tool_calls.c.status == CallStatus.RUNNING.value,
+        tool_calls.c.lease_token == bindparam("p_token"),
+    )
+    .values(lease_expires_at=utc_after(bindparam("p_lease_seconds", type_=Float)), updated_at=utc_now())
+)
+"""A running call's lease extended by the run that holds it (fenced by its token); no status
+changes and nothing is noted: a heartbeat is not an event of the call's life."""
+
+
 @dataclass(frozen=True)
 class Note:
     """A write that keeps the call's status, noted in its audit trail (no lease token: no
@@ -205,6 +218,7 @@ _check_catalogue()
 
 __all__ = [
     "CONFIRM",
+    "HEARTBEAT",
     "KEY_COLUMNS",
     "KEY_MATCH",
     "LEASE_RAN_OUT",
