@@ -17,7 +17,8 @@ import sys
 CP_AFTER_CLAIM_COMMIT = "after_claim_commit"
 """The call is recorded and claimed (``running``); the handler has not started."""
 CP_AFTER_HANDLER = "after_handler"
-"""The handler returned (a transactional tool's writes are not committed); no result stored."""
+"""The handler returned; no result stored. A transactional tool's writes are not committed
+(when it succeeded) or already rolled back (when it failed)."""
 CP_AFTER_RESULT_COMMIT = "after_result_commit"
 """The result is stored (``succeeded``/``failed``); nothing was submitted."""
 CP_SUBMIT_ACCEPTED = "submit_accepted"
