@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class CallStatus(StrEnum):
@@ -75,13 +76,23 @@ CLAIM = Transition(
 """A new lease (a new token) on a recorded call: a re-run, or an operator's re-run."""
 
 
-def _outcome_stored(name: str, source: CallStatus, fencing: Fencing) -> tuple[Transition, Transition]:
-    """One transition per outcome: it writes the same columns whether the run succeeded or not."""
+class ByOutcome(NamedTuple):
+    """A transition that stores an outcome, declared for each: the same columns are written
+    whether the run succeeded or not, only the target differs."""
+
+    succeeded: Transition
+    failed: Transition
+
+    def of(self, success: bool) -> Transition:
+        return self.succeeded if success else self.failed
+
+
+def _outcome_stored(name: str, source: CallStatus, fencing: Fencing) -> ByOutcome:
     succeeded, failed = (
         Transition(name, frozenset({source}), target, _OUTCOME_COLUMNS, fencing=fencing)
         for target in (CallStatus.SUCCEEDED, CallStatus.FAILED)
     )
-    return succeeded, failed
+    return ByOutcome(succeeded, failed)
 
 
 COMPLETE = _outcome_stored("complete", CallStatus.RUNNING, Fencing.LEASE_TOKEN)

@@ -165,14 +165,13 @@ class LedgerStore:
         With ``connection`` the write joins the caller's transaction: a transactional tool's
         side effect and its result then commit together.
         """
-        index = 0 if outcome.success else 1
         params = {"p_token": token, **self._outcome_params(outcome)}
         attempts = (
-            (COMPLETE[index], outcome.stage.value if outcome.stage else "handler returned"),
+            (COMPLETE.of(outcome.success), outcome.stage.value if outcome.stage else "handler returned"),
             # The lease expired while the handler ran (a paused or partitioned worker) but
             # nobody claimed the call since: the token is still ours, and this is the one
             # true outcome of the only run. Better than leaving it unknown.
-            (COMPLETE_LATE[index], "late result of the only run, after its lease expired"),
+            (COMPLETE_LATE.of(outcome.success), "late result of the only run, after its lease expired"),
         )
 
         async def write(conn: AsyncConnection) -> CallRecord:
@@ -189,8 +188,7 @@ class LedgerStore:
 
     async def settle(self, key: CallKey, outcome: Outcome, *, reason: str) -> CallRecord | None:
         """Give an ``unknown`` call its outcome without running it (verify hook, operator, deadline)."""
-        transition = SETTLE[0] if outcome.success else SETTLE[1]
-        return await self._transition(transition, key, reason, self._outcome_params(outcome))
+        return await self._transition(SETTLE.of(outcome.success), key, reason, self._outcome_params(outcome))
 
     async def reopen(self, key: CallKey, *, reason: str) -> CallRecord | None:
         """An operator allows an ``unknown`` call to run again: it becomes claimable."""

@@ -82,9 +82,9 @@ WRITES: Mapping[str, Mapping[str, Any]] = {
         "lease_token": tool_calls.c.lease_token + 1,
         "attempt_count": tool_calls.c.attempt_count + 1,
     },
-    COMPLETE[0].name: _OUTCOME,
-    COMPLETE_LATE[0].name: _OUTCOME,
-    SETTLE[0].name: _OUTCOME,
+    COMPLETE.succeeded.name: _OUTCOME,
+    COMPLETE_LATE.succeeded.name: _OUTCOME,
+    SETTLE.succeeded.name: _OUTCOME,
     REOPEN.name: {"lease_expires_at": None},
     # When the run's lease ended: an unknown call's deadline counts from here.
     EXPIRE.name: {"lease_expires_at": case((LEASE_RAN_OUT, tool_calls.c.lease_expires_at), else_=utc_now())},
