@@ -32,7 +32,6 @@ from toolledger.runtime.decider import (
     Verified,
     Verify,
     decide,
-    seconds_between,
     tool_for,
 )
 from toolledger.runtime.executor import HandleReport
@@ -113,14 +112,6 @@ def test_submitted_long_ago_and_still_awaited__resubmitted_and_noted_unconfirmed
 
 def test_submitted_without_a_time__resubmitted() -> None:
     assert decide(call(CallStatus.SUBMITTED), tool(), POLICY, NOW) == Resubmit(unconfirmed=True)
-
-
-def test_a_naive_time_from_sqlite_counts_as_utc() -> None:
-    naive = (NOW - timedelta(seconds=5)).replace(tzinfo=None)
-    submitted = call(CallStatus.SUBMITTED, submitted_at=naive)
-
-    assert seconds_between(naive, NOW) == 5.0
-    assert decide(submitted, tool(), POLICY, NOW) == Report(HandleAction.ALREADY_SUBMITTED, submitted=True)
 
 
 # --------------------------------------------------------------- no handlers here

@@ -7,23 +7,18 @@ and API answer is built here, through the configured redactor, so none can forge
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from datetime import datetime
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel, Field
 
 from toolledger.domain.queries import outcome_of
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.redaction import Redactor
 from toolledger.store.audit import CallCounts, SessionSummary
 
-
-def _as_utc(moment: datetime) -> datetime:
-    """SQLite returns the ledger's UTC times without their zone: say which zone they are in."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
-Utc = Annotated[datetime, AfterValidator(_as_utc)]
+Utc = datetime
+"""The ledger reads every time back as aware UTC (store.schema.UtcDateTime)."""
 
 
 class CallView(BaseModel):

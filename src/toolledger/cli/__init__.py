@@ -24,7 +24,6 @@ from toolledger.cli.api import api
 from toolledger.cli.calls import calls
 from toolledger.cli.common import (
     LOG_LEVELS,
-    aware,
     base_url_option,
     configure_logging,
     database_option,
@@ -593,7 +592,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         watched = await sessions_store.find(watched=True)
         owners: dict[str, int] = {}
         for record in watched:
-            if record.owner and record.lease_expires_at and aware(record.lease_expires_at) > now:
+            if record.owner and record.lease_expires_at and record.lease_expires_at > now:
                 owners[record.owner] = owners.get(record.owner, 0) + 1
         report["replicas"] = [
             {
@@ -602,7 +601,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "pid": r.pid,
                 "sessions": owners.get(r.replica_id, 0),
                 # The heartbeat is stamped by another clock: never report it from the future.
-                "heartbeat_age_seconds": max(0.0, (now - aware(r.heartbeat_at)).total_seconds()),
+                "heartbeat_age_seconds": max(0.0, (now - r.heartbeat_at).total_seconds()),
             }
             for r in await sessions_store.live_replicas()
         ]
@@ -613,7 +612,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         report["unconfirmed_calls"] = await ledger.count_unconfirmed(UNCONFIRMED_ALERT_AFTER)
         oldest = await ledger.oldest_unsubmitted()
         report["oldest_unsubmitted_age_seconds"] = (
-            None if oldest is None else max(0.0, (now - aware(oldest)).total_seconds())
+            None if oldest is None else max(0.0, (now - oldest).total_seconds())
         )
 
         def listed(call: CallRecord) -> dict[str, Any]:
@@ -628,7 +627,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "tool": call.tool_name,
                 "effect_class": call.effect_class.value,
                 "status": call.status.value,
-                "age_seconds": max(0.0, (now - aware(since or call.created_at)).total_seconds()),
+                "age_seconds": max(0.0, (now - (since or call.created_at)).total_seconds()),
             }
 
         # What an operator may have to act on, and what is still on its way to the model.

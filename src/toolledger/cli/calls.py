@@ -28,6 +28,7 @@ from toolledger.cli.common import (
     base_url_option,
     configure_logging,
     database_option,
+    iso,
     ledger_runtime,
     load_tools,
     missing_sqlite_file,
@@ -865,8 +866,6 @@ def _session_state(record: SessionRecord | None) -> dict[str, Any]:
             "last_event_id": None,
         }
     expires = record.lease_expires_at
-    if expires is not None and expires.tzinfo is None:
-        expires = expires.replace(tzinfo=UTC)
     live = record.owner is not None and expires is not None and expires > datetime.now(UTC)
     if live:
         assert expires is not None
@@ -882,15 +881,9 @@ def _session_state(record: SessionRecord | None) -> dict[str, Any]:
         "owner": record.owner if live else None,
         "lease": lease,
         "lease_expires_at": expires.isoformat() if expires else None,
-        "last_polled_at": _aware(record.last_polled_at),
+        "last_polled_at": iso(record.last_polled_at),
         "last_event_id": record.last_event_id,
     }
-
-
-def _aware(moment: datetime | None) -> str | None:
-    if moment is None:
-        return None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
 
 
 # ------------------------------------------------------------------- plumbing
@@ -959,20 +952,17 @@ def _lease(status: str, owner: str | None, expires_at: datetime | None) -> str |
         return None
     if expires_at is None:
         return owner
-    expires = expires_at.replace(tzinfo=UTC) if expires_at.tzinfo is None else expires_at
-    if expires <= datetime.now(UTC):
-        return f"expired at {_precise(expires)} (held by {owner})"
-    return f"{owner} until {_precise(expires)}"
+    if expires_at <= datetime.now(UTC):
+        return f"expired at {_precise(expires_at)} (held by {owner})"
+    return f"{owner} until {_precise(expires_at)}"
 
 
 def _precise(moment: datetime) -> str:
     """To the microsecond: a call's steps are often within the same second."""
-    utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%d %H:%M:%S.%f")
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def _moment(moment: datetime | None) -> str:
     if moment is None:
         return ""
-    utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%d %H:%M:%S")
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")

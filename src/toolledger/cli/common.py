@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator, Coroutine
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -131,7 +131,7 @@ def missing_sqlite_file(url: str) -> str | None:
 def iso(moment: datetime | None) -> str | None:
     if moment is None:
         return None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
+    return moment.isoformat()
 
 
 def masked_url(url: str) -> str:
@@ -146,7 +146,3 @@ def masked_url(url: str) -> str:
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -7,7 +7,7 @@ a step that changes the call (a lease taken over, a verify hook asked), decides 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 
 from toolledger.domain.records import CallRecord
@@ -233,6 +233,5 @@ def _wait_or_give_up(tool: RegisteredTool | None, call: CallRecord, now: datetim
 
 
 def seconds_between(moment: datetime, now: datetime) -> float:
-    """Seconds from ``moment`` to ``now``; a naive time (as SQLite returns them) is UTC."""
-    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-    return (now - aware).total_seconds()
+    """Seconds from ``moment`` to ``now`` (the ledger reads every time back as aware UTC)."""
+    return (now - moment).total_seconds()

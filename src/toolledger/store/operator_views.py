@@ -36,7 +36,7 @@ class OperatorViews:
             rows = list(await conn.execute(by_status_and_tool))
             watched_count = int((await conn.execute(watched)).scalar_one())
         waiting_since = [
-            _aware(finished) for status, _, _, finished in rows if status in RESULT_STATUSES and finished
+            finished for status, _, _, finished in rows if status in RESULT_STATUSES and finished
         ]
         oldest = (datetime.now(UTC) - min(waiting_since)).total_seconds() if waiting_since else 0.0
         return LedgerSnapshot(
@@ -48,10 +48,6 @@ class OperatorViews:
 
 def _schema_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 __all__ = ["OperatorViews"]
