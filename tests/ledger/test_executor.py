@@ -27,7 +27,7 @@ from toolledger.domain.results import (
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.runtime import executor as executor_module
-from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.tool_ledger import ToolLedger

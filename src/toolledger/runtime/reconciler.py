@@ -37,7 +37,7 @@ from toolledger.runtime.executor import (
     SubmitOutcome,
     submission_backoff,
 )
-from toolledger.runtime.failures import log_failure
+from toolledger.runtime.loop_logging import log_failure
 from toolledger.store.sessions import SessionStore
 
 log = logging.getLogger("toolledger.reconciler")

@@ -37,10 +37,10 @@ from toolledger.errors import (
 )
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.logs import log_fields
-from toolledger.runtime.calls import CallRunner
+from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
-from toolledger.runtime.failures import log_failure
+from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.tool_ledger import ToolLedger

@@ -22,7 +22,7 @@ from toolledger.domain.records import CallRecord
 from toolledger.domain.states import CallStatus
 from toolledger.errors import AgentsAuthError
 from toolledger.runtime.executor import Executor, HandleAction, HandleReport
-from toolledger.runtime.failures import log_failure, note_interruption
+from toolledger.runtime.loop_logging import log_failure, note_interruption
 
 log = logging.getLogger("toolledger.calls")
 
