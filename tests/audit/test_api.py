@@ -37,7 +37,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount
 
-from tests.audit.ledger_fill import ROOT, FilledLedger, fill_ledger
+from tests.audit.ledger_fill import ROOT, FilledLedger
 from tests.audit.tools import CANARY
 from tests.audit.tools import registry as shop_tools
 from tests.databases import PostgresTemplate
@@ -51,7 +51,6 @@ from toolledger.domain.results import succeeded
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.settings import Settings
-from toolledger.store import migrate
 from toolledger.store.engine import lower_like_postgresql as folded
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
@@ -67,21 +66,6 @@ EVERY = "500"
 
 
 # ---------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def shared_ledger(
-    request: pytest.FixtureRequest, emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FilledLedger]:
-    workdir = tmp_path_factory.mktemp(f"api-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
-        migrate.upgrade(url)
-        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
-        return
-    template: PostgresTemplate = request.getfixturevalue("postgres_template")
-    with template.clone() as url:
-        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
 
 
 def api_settings(database_url: str, base_url: str | None = None, **overrides: Any) -> Settings:

@@ -34,9 +34,8 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.engine import Row, make_url
 from sqlalchemy.pool import NullPool
 
-from tests.audit.ledger_fill import FilledLedger, charge_only_script, fill_ledger
+from tests.audit.ledger_fill import FilledLedger, charge_only_script
 from tests.audit.tools import CANARY
-from tests.databases import PostgresTemplate
 from tests.service.serve_process import run_cli
 from tests.service.workload import start_sessions
 from toolledger.audit.service import CSV_COLUMNS
@@ -46,7 +45,6 @@ from toolledger.domain.redaction import MASK
 from toolledger.domain.states import EffectClass
 from toolledger.emulator import EmulatorServer
 from toolledger.gateway.agents import AgentsGateway
-from toolledger.store import migrate
 from toolledger.store.engine import create_engine, sync_url
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import tool_call_events, tool_calls
@@ -80,21 +78,6 @@ class Ledger:
     def status(self, key: CallKey) -> str:
         (row,) = [r for r in self.rows() if (r.session_id, r.turn_id, r.call_id) == astuple(key)]
         return str(row.status)
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def shared_ledger(
-    request: pytest.FixtureRequest, emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FilledLedger]:
-    workdir = tmp_path_factory.mktemp(f"calls-cli-{request.param}")
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
-        migrate.upgrade(url)
-        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
-        return
-    template: PostgresTemplate = request.getfixturevalue("postgres_template")
-    with template.clone() as url:
-        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
 
 
 @pytest.fixture

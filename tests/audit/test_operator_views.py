@@ -27,8 +27,7 @@ from toolledger.cli import main
 from toolledger.domain.keys import CallKey
 from toolledger.settings import Settings
 
-# The calls CLI's module-wide ledger (filled once per database), shared by name.
-shared_ledger = test_calls_cli.shared_ledger
+# The calls CLI's view of the module-wide ledger (tests/audit/conftest.py's shared_ledger).
 ledger = test_calls_cli.ledger
 
 

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +36,7 @@ from tests.service.workload import (
     shop_script,
     start_sessions,
 )
+from tests.support.polling import eventually
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
@@ -121,28 +122,12 @@ async def start_mixed_sessions(emulator: EmulatorServer, count: int) -> list[str
     return [s for pair in zip(charging, notifying, strict=True) for s in pair]
 
 
-async def eventually(check: Callable[[], Awaitable[T | None]], within: float, what: str) -> T:
-    """The first truthy value of ``check``, polled until ``within`` seconds have passed."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {within:.1f}s: {what}")
-        await asyncio.sleep(0.05)
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 async def owners(store: SessionStore) -> dict[str, str | None]:
     """Watched session -> the replica holding an unexpired lease on it (None: nobody)."""
     now = datetime.now(UTC)
     return {
         r.session_id: r.owner
-        if r.owner and r.lease_expires_at is not None and _aware(r.lease_expires_at) > now
+        if r.owner and r.lease_expires_at is not None and r.lease_expires_at > now
         else None
         for r in await store.find(watched=True)
     }
@@ -297,7 +282,7 @@ async def test_replicas__one_sigkilled_mid_load__survivors_take_over_and_nothing
     survivors = {ids[p.pid] for p in processes if p is not victim}
     # Its leases, expiring on the database's clock.
     expiring = {
-        r.session_id: _aware(r.lease_expires_at)
+        r.session_id: r.lease_expires_at
         for r in await sessions_store.find(watched=True)
         if r.owner == ids[victim.pid] and r.lease_expires_at is not None
     }
@@ -308,7 +293,7 @@ async def test_replicas__one_sigkilled_mid_load__survivors_take_over_and_nothing
     async def taken_over() -> bool:
         for r in await sessions_store.find(watched=True):
             if r.session_id in orphans and r.owner in survivors and r.lease_expires_at is not None:
-                new_leases.setdefault(r.session_id, _aware(r.lease_expires_at))
+                new_leases.setdefault(r.session_id, r.lease_expires_at)
         return set(new_leases) == orphans
 
     await eventually(taken_over, within=TAKE_OVER_WITHIN, what=f"{sorted(orphans)} taken over")

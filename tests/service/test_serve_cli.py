@@ -8,7 +8,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 
 from tests.service.serve_process import FAST_ENVIRONMENT, TOOLS, ServeProcess, run_cli
 from tests.service.workload import read_effects, start_sessions, wait_until_idle
+from tests.support.polling import eventually
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.store import migrate
@@ -63,27 +64,12 @@ async def store(database_url: str) -> AsyncIterator[SessionStore]:
     await engine.dispose()
 
 
-async def eventually(check: Callable[[], Awaitable[T | None]], within: float, what: str) -> T:
-    deadline = time.monotonic() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {within:.1f}s: {what}")
-        await asyncio.sleep(0.05)
-
-
-def _aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 async def owned_by(store: SessionStore, session_ids: list[str]) -> set[str | None]:
     """The replicas holding an unexpired lease on these sessions (None: not held)."""
     now = datetime.now(UTC)
     records = {r.session_id: r for r in await store.find(watched=True)}
     return {
-        r.owner if r.owner and r.lease_expires_at and _aware(r.lease_expires_at) > now else None
+        r.owner if r.owner and r.lease_expires_at and r.lease_expires_at > now else None
         for r in (records[s] for s in session_ids)
     }
 

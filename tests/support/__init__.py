@@ -1,0 +1,1 @@
+"""Helpers shared by tests of several parts: polling, and nothing that belongs to one part."""
