@@ -66,6 +66,13 @@ class SessionGoneError(SubmissionError):
         super().__init__(message, kind=SubmissionFailure.SESSION_GONE)
 
 
+class TransactionLostError(ToolLedgerError):
+    """The database connection broke under a transactional handler: its writes went with the
+    transaction. An outage, not the tool's failure: the call is run again once it is taken over."""
+
+    code = "transaction_lost"
+
+
 class StreamInterruptedError(ToolLedgerError):
     """A session's event stream failed or ended; the follower reconnects after a pause."""
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, event, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, event, func, select, text
 
 from tests.ledger.executor_harness import current_actions, pending_actions, running_ledger
 from toolledger.domain import delivered as delivered_module
@@ -26,6 +26,7 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer
+from toolledger.errors import TransactionLostError
 from toolledger.runtime import executor as executor_module
 from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
@@ -450,6 +451,37 @@ async def test_transactional_tool__failure_rolls_back_its_writes_but_keeps_the_f
     assert report.status is CallStatus.FAILED
     assert await _count_effects(sqlite_url) == 0
     assert accepted_payloads(emulator, session_id)[0]["error"] == "refund limit exceeded"
+
+
+async def test_transactional_tool__database_connection_lost_under_it__is_not_answered_as_its_failure(
+    postgres_url: str, emulator: EmulatorServer
+) -> None:
+    """A database restart under a transactional handler loses its writes: that is an outage,
+    not the tool failing. The call is run again once taken over; the model never hears of it."""
+    await _create_effects_table(postgres_url)
+    registry = ToolRegistry()
+
+    @registry.tool(effect="transactional")
+    async def record_refund(cents: int, ctx: ToolContext) -> str:
+        await ctx.db.execute(effects.insert().values(note=f"refund {cents}"))
+        if ctx.attempt == 1:  # the server drops this connection, as a restart would
+            await ctx.db.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        return "refunded"
+
+    session_id, [action] = await pending_actions(emulator, [("record_refund", {"cents": 9})])
+    async with running_ledger(registry, postgres_url, emulator, lease_seconds=0.5) as ledger:
+        with pytest.raises(TransactionLostError):
+            await ledger.handle(session_id, action)
+        await asyncio.sleep(0.7)
+        report = await ledger.recover()
+        key = CallKey(session_id, action.turn_id, action.call_id)
+        call = await ledger.store.get(key)
+
+    assert report.actions["rerun"] == 1
+    assert call is not None
+    assert (call.status, call.attempt_count) == (CallStatus.SUBMITTED, 2)
+    assert [p.get("output") for p in accepted_payloads(emulator, session_id)] == ["refunded"]
+    assert await _count_effects(postgres_url) == 1
 
 
 # --------------------------------------------------------------- unknown outcomes

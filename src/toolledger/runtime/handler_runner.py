@@ -36,6 +36,7 @@ from toolledger.domain.results import (
     tool_error_message,
     validation_message,
 )
+from toolledger.errors import TransactionLostError
 from toolledger.runtime.context import ToolContext, VerifyAnswer, bind_context, reset_context
 from toolledger.runtime.decider import Verified
 from toolledger.runtime.registry import RegisteredTool
@@ -96,6 +97,11 @@ class HandlerRunner:
                     done = await keep(outcome, connection)
                     await transaction.commit()
                     return done
+                if connection.invalidated:
+                    # The handler failed because the database went away under it (a restart,
+                    # say): keeping "Tool handler failed" would answer the model for an outage.
+                    # The call stays running; once taken over it runs again, as is safe here.
+                    raise TransactionLostError(f"call {call.key}: the database connection was lost")
                 await transaction.rollback()
         finally:
             heartbeat.cancel()
