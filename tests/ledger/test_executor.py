@@ -32,6 +32,7 @@ from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.tool_ledger import ToolLedger
+from toolledger.store import ledger as ledger_module
 from toolledger.store.engine import create_engine
 
 SECRET = "sk-proj-CANARYCANARYCANARY"  # noqa: S105 - a canary, not a credential
@@ -117,15 +118,21 @@ async def test_handle__reads_the_delivered_arguments_once(
         decoded.append(text)
         return keys.parse_arguments(text, max_bytes)
 
+    def fingerprint_again(arguments: Any) -> str:
+        decoded.append(f"fingerprinted again: {arguments}")
+        return keys.arguments_fingerprint(arguments)
+
     for module in (delivered_module, executor_module):
         monkeypatch.setattr(module, "parse_arguments", counting)
+    # The ledger is given the delivered call's fingerprint: it must not decode to make its own.
+    monkeypatch.setattr(ledger_module, "arguments_fingerprint", fingerprint_again)
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
     async with running_ledger(registry, sqlite_url, emulator) as ledger:
         report = await ledger.handle(session_id, action)
 
     assert report.action == "executed"
     assert report.submitted
-    assert len(decoded) == 1
+    assert len(decoded) == 1, decoded
 
 
 async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_listing(

@@ -53,6 +53,7 @@ class RetriedLedger:
             delivered.key,
             tool_name=delivered.tool_name,
             arguments=delivered.text,
+            fingerprint=delivered.fingerprint,
             effect_class=effect_class,
             lease_seconds=self.settings.lease_seconds,
             # Arguments no handler will see are not kept whole (they may be huge, or hold

@@ -112,6 +112,7 @@ class LedgerStore:
         lease_seconds: float,
         stored_arguments: str | None = None,
         claim_id: str | None = None,
+        fingerprint: str | None = None,
     ) -> Recorded:
         """Record a delivered call and claim it in one commit (commit point 1), or find it recorded.
 
@@ -119,8 +120,11 @@ class LedgerStore:
         ``stored_arguments`` replaces the text kept (a preview of refused arguments); the
         fingerprint is always that of the arguments delivered. ``claim_id`` goes into the
         claim's audit event: after an ambiguous commit, ``claimed_by`` tells whether it was ours.
+        ``fingerprint``: the arguments' fingerprint when the caller has it already (a
+        ``DeliveredCall``'s), so the hot path does not decode the arguments again.
         """
-        fingerprint = arguments_fingerprint(arguments)
+        if fingerprint is None:
+            fingerprint = arguments_fingerprint(arguments)
         params = {
             **key_params(key),
             "p_tool_name": tool_name,
