@@ -7,7 +7,6 @@ in one place; everything further in is handed that value.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +16,8 @@ from toolledger.domain.keys import (
     CallKey,
     arguments_fingerprint,
     arguments_text,
-    canonical_json,
     parse_arguments,
+    value_fingerprint,
 )
 
 
@@ -69,13 +68,7 @@ class DeliveredCall:
 def _fingerprint(raw: Any, arguments: dict[str, Any] | None) -> str:
     """The fingerprint from the value decoded already: for arguments a handler may see, the
     lenient decoding ``arguments_fingerprint`` does gives the same object as the strict one."""
-    if arguments is None:
-        return arguments_fingerprint(raw)
-    try:
-        canonical = canonical_json(arguments)
-    except (ValueError, RecursionError):
-        return arguments_fingerprint(raw)
-    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+    return arguments_fingerprint(raw) if arguments is None else value_fingerprint(arguments)
 
 
 def _field(action: Any, name: str) -> Any:

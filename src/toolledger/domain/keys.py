@@ -56,10 +56,15 @@ def arguments_fingerprint(arguments: Any) -> str:
         except (ValueError, RecursionError):  # not JSON, or nested beyond Python's stack
             return hashlib.sha256(arguments.encode("utf-8", "surrogatepass")).hexdigest()
         arguments = parsed
+    return value_fingerprint(arguments)
+
+
+def value_fingerprint(value: Any) -> str:
+    """sha256 of arguments already decoded: their canonical JSON, else their repr."""
     try:
-        text = canonical_json(arguments)
+        text = canonical_json(value)
     except (ValueError, RecursionError):
-        text = repr(arguments)
+        text = repr(value)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
