@@ -112,23 +112,25 @@ def uninterrupted_on_sqlite(store: _Store) -> _Store:
     coroutine method runs to completion despite cancellation (see ``run_to_completion``).
     PostgreSQL needs no such thing: a cancelled statement's connection is closed cleanly and
     the server rolls back; the task per call it costs is kept off that path."""
-    for name, member in list(vars(store).items()):
-        if not name.startswith("_") and inspect.iscoroutinefunction(member):
-            setattr(store, name, _uninterrupted(member))
-    return store
+    return _wrap_public_coroutines(store, _uninterrupted)
 
 
 def uninterrupted(store: _Store) -> _Store:
     """Class decorator for a SQLite store: each public coroutine method, its own or inherited,
     runs to completion despite cancellation (see ``run_to_completion``)."""
-    for name in dir(store):
-        member = getattr(store, name)
-        if not name.startswith("_") and inspect.iscoroutinefunction(member):
-            setattr(store, name, _to_completion(member))
-    return store
+    return _wrap_public_coroutines(store, _to_completion)
 
 
 _Method = Callable[..., Coroutine[Any, Any, Any]]
+
+
+def _wrap_public_coroutines(store: _Store, wrap: Callable[[_Method], _Method]) -> _Store:
+    """Every public coroutine method of ``store``, its own or inherited, through ``wrap``."""
+    for name in dir(store):
+        member = getattr(store, name)
+        if not name.startswith("_") and inspect.iscoroutinefunction(member):
+            setattr(store, name, wrap(member))
+    return store
 
 
 def _to_completion(method: _Method) -> _Method:

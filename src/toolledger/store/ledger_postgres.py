@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import CTE, Row, Select, String, bindparam, literal, null, select, tuple_
@@ -19,7 +20,6 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
-from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.states import RECORD, CallStatus, Transition
 from toolledger.store.engine import utc_now
 from toolledger.store.ledger import LedgerStore
@@ -52,17 +52,10 @@ _EVENT_COLUMNS = (
 
 
 class PostgresLedger(LedgerStore):
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        *,
-        actor: str,
-        owner: str | None = None,
-        redactor: Redactor = DEFAULT_REDACTOR,
-    ) -> None:
-        super().__init__(engine, actor=actor, owner=owner, redactor=redactor)
-        # Same pool; each single-statement write commits by itself (no BEGIN/COMMIT trips).
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+    @cached_property
+    def _autocommit(self) -> AsyncEngine:
+        """Same pool; each single-statement write commits by itself (no BEGIN/COMMIT trips)."""
+        return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
         if not keys:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import Row, String, bindparam, select
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
-from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
 from toolledger.domain.states import RECORD, CallStatus, Transition
 from toolledger.store.engine import uninterrupted, write_lock
 from toolledger.store.ledger import LedgerStore
@@ -29,16 +29,9 @@ from toolledger.store.transitions import KEY_MATCH, Note, changes, fenced, key_p
 
 @uninterrupted
 class SqliteLedger(LedgerStore):
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        *,
-        actor: str,
-        owner: str | None = None,
-        redactor: Redactor = DEFAULT_REDACTOR,
-    ) -> None:
-        super().__init__(engine, actor=actor, owner=owner, redactor=redactor)
-        self._write_lock = write_lock(engine)
+    @cached_property
+    def _write_lock(self) -> AbstractAsyncContextManager[Any]:
+        return write_lock(self.engine)
 
     async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
         return {key for key in keys if await self.mark_confirmed(key)}
