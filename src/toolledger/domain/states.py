@@ -56,6 +56,12 @@ class Transition:
     event: str = "transition"
     """The kind of its audit event."""
     fencing: Fencing = Fencing.NONE
+    durable: bool = True
+    """False: its commit need not wait for the disk (PostgreSQL ``synchronous_commit = off``
+    for its transaction alone, SQLite ``synchronous = NORMAL`` for its transaction: it
+    survives the process being killed, not the machine losing power). Only for a write
+    whose loss in a database crash leaves the call as a crash of ours just before the write
+    would, a moment the crash matrix covers."""
 
 
 _OUTCOME_COLUMNS = frozenset({"result", "error_stage", "error_detail", "finished_at", "lease_expires_at"})
@@ -125,6 +131,9 @@ SUBMIT = Transition(
     CallStatus.SUBMITTED,
     frozenset({"submitted_at", "submission_count", "last_submission_error"}),
     event="submission",
+    # Lost with the database, the call is as after a crash at after_submit_response: its
+    # stored result is sent again under the same key, or recognised as answered already.
+    durable=False,
 )
 """The Agents API accepted the stored result (commit point 3)."""
 

@@ -14,15 +14,18 @@ the reads) is written here once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import and_, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
+from toolledger.crashpoints import CP_AFTER_BATCH_OUTCOMES, CP_AFTER_BATCH_RECORD, crash_point
 from toolledger.domain.keys import CallKey, arguments_fingerprint, arguments_text
 from toolledger.domain.records import CallEvent, CallRecord, Recorded
 from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
@@ -42,7 +45,8 @@ from toolledger.domain.states import (
     Transition,
 )
 from toolledger.errors import FencedError, TransitionError
-from toolledger.store.engine import seconds_until, utc_now
+from toolledger.store.batching import WriteBatcher
+from toolledger.store.engine import is_transient, seconds_until, utc_now
 from toolledger.store.rows import call_events, call_record
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 from toolledger.store.transitions import (
@@ -56,6 +60,33 @@ from toolledger.store.transitions import (
     changes,
     key_params,
 )
+
+log = logging.getLogger("toolledger.store")
+
+
+@dataclass(frozen=True)
+class NewCall:
+    """A delivered call to record and claim: the parameters of its ``RECORD``."""
+
+    key: CallKey
+    params: dict[str, Any]
+    fingerprint: str
+    detail: str | None
+    """Its claim's audit detail (the claim id)."""
+
+
+class _Completion(NamedTuple):
+    key: CallKey
+    token: int
+    outcome: Outcome
+
+
+class _Keyed(Protocol):
+    @property
+    def key(self) -> CallKey: ...
+
+
+_Item = TypeVar("_Item", bound=_Keyed)
 
 
 def _where_key(key: CallKey) -> ColumnElement[bool]:
@@ -71,6 +102,9 @@ class LedgerStore:
     """The ledger: ``LedgerStore(engine, ...)`` gives the executor of the engine's database
     (a subclass, which does what ``raise NotImplementedError`` marks here)."""
 
+    _parallel_writes = 1
+    """Batches of one kind of write in flight at once (``store.batching``)."""
+
     def __new__(
         cls,
         engine: AsyncEngine,
@@ -78,6 +112,7 @@ class LedgerStore:
         actor: str,
         owner: str | None = None,
         redactor: Redactor = DEFAULT_REDACTOR,
+        batching: bool = True,
     ) -> LedgerStore:
         if cls is LedgerStore:
             cls = _executor_for(engine)
@@ -90,15 +125,25 @@ class LedgerStore:
         actor: str,
         owner: str | None = None,
         redactor: Redactor = DEFAULT_REDACTOR,
+        batching: bool = True,
     ) -> None:
         """``actor``: who this process is in the audit trail (the worker id). ``owner``: the
         process instance its leases name (``lease_owner``), unique per process so that a
-        replica known to be gone can have its leases taken over (``store.liveness``)."""
+        replica known to be gone can have its leases taken over (``store.liveness``).
+        ``batching``: records and outcomes written at the same moment share one commit
+        (``store.batching``); off, each is a write of its own."""
         self.engine = engine
         self.actor = actor
         self.owner = owner or actor
         self.redactor = redactor
+        self.batching = batching
         self._statements: dict[Hashable, Any] = {}
+        self._records: WriteBatcher[NewCall, Recorded] = WriteBatcher(
+            self._records_together, flushes=self._parallel_writes
+        )
+        self._outcomes: WriteBatcher[_Completion, CallRecord] = WriteBatcher(
+            self._outcomes_together, flushes=self._parallel_writes
+        )
 
     # ------------------------------------------------------------------ writes
 
@@ -135,8 +180,10 @@ class LedgerStore:
             "p_lease_seconds": float(lease_seconds),
             "p_owner": self.owner,
         }
-        detail = _claim_detail(claim_id)
-        return await self._record_new(key, params, fingerprint, "recorded and claimed", detail)
+        new = NewCall(key, params, fingerprint, _claim_detail(claim_id))
+        if self.batching:
+            return await self._records.add(new)
+        return await self._record_new(new)
 
     async def claim(
         self,
@@ -169,6 +216,16 @@ class LedgerStore:
         With ``connection`` the write joins the caller's transaction: a transactional tool's
         side effect and its result then commit together.
         """
+        completion = _Completion(key, token, outcome)
+        if connection is not None:
+            return await self._complete(connection, completion)
+        if self.batching:
+            return await self._outcomes.add(completion)
+        async with self._writing() as conn:
+            return await self._complete(conn, completion)
+
+    async def _complete(self, conn: AsyncConnection, completion: _Completion) -> CallRecord:
+        key, token, outcome = completion
         params = {"p_token": token, **self._outcome_params(outcome)}
         attempts = (
             (COMPLETE.of(outcome.success), outcome.stage.value if outcome.stage else "handler returned"),
@@ -177,18 +234,61 @@ class LedgerStore:
             # true outcome of the only run. Better than leaving it unknown.
             (COMPLETE_LATE.of(outcome.success), "late result of the only run, after its lease expired"),
         )
+        for transition, reason in attempts:
+            call = await self._change(conn, transition, transition.sources, key, params, reason)
+            if call is not None:
+                return call
+        raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
 
-        async def write(conn: AsyncConnection) -> CallRecord:
-            for transition, reason in attempts:
-                call = await self._change(conn, transition, transition.sources, key, params, reason)
-                if call is not None:
-                    return call
-            raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
+    async def _outcomes_together(
+        self, completions: Sequence[_Completion]
+    ) -> Sequence[CallRecord | BaseException]:
+        """Outcomes that became ready together, stored in ONE transaction (one commit, one
+        fsync), each with its own fencing: one refused outcome fails only its own call."""
+        stored = await self._together(completions, self._complete)
+        if len(completions) > 1:
+            crash_point(CP_AFTER_BATCH_OUTCOMES)
+        return stored
 
-        if connection is not None:
-            return await write(connection)
-        async with self._writing() as conn:
-            return await write(conn)
+    async def _records_together(self, news: Sequence[NewCall]) -> Sequence[Recorded | BaseException]:
+        recorded = await self._record_batch(news)
+        if len(news) > 1:
+            crash_point(CP_AFTER_BATCH_RECORD)
+        return recorded
+
+    async def _together(
+        self,
+        items: Sequence[_Item],
+        write: Callable[[AsyncConnection, _Item], Awaitable[Any]],
+    ) -> list[Any]:
+        """``write`` each of ``items`` in ONE transaction; a result or a refusal
+        (``FencedError``, ``TransitionError``) per item. Rows are written in the order of
+        their keys, so two processes' batches cannot deadlock each other. A batch that fails
+        for another reason than the database being away is written item by item instead: a
+        bad item fails alone. A lone item is a write of its own, as without batching."""
+        if len(items) == 1:
+            return [await self._alone(items[0], write)]
+        written: list[Any] = [None] * len(items)
+        try:
+            async with self._transaction() as conn:
+                for index in sorted(range(len(items)), key=lambda i: items[i].key):
+                    try:
+                        written[index] = await write(conn, items[index])
+                    except (FencedError, TransitionError) as refused:
+                        written[index] = refused
+        except Exception as error:
+            if is_transient(error):
+                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
+            log.warning("a batch of %d ledger writes failed (%s): writing them one by one", len(items), error)
+            return [await self._alone(item, write) for item in items]
+        return written
+
+    async def _alone(self, item: _Item, write: Callable[[AsyncConnection, _Item], Awaitable[Any]]) -> Any:
+        try:
+            async with self._writing() as conn:
+                return await write(conn, item)
+        except Exception as error:
+            return error
 
     async def settle(self, key: CallKey, outcome: Outcome, *, reason: str) -> CallRecord | None:
         """Give an ``unknown`` call its outcome without running it (verify hook, operator, deadline)."""
@@ -246,6 +346,18 @@ class LedgerStore:
     async def mark_submitted(self, key: CallKey, *, reason: str = "result accepted") -> CallRecord | None:
         """The Agents API accepted the stored result (commit point 3)."""
         return await self._transition(SUBMIT, key, reason, {})
+
+    async def mark_submitted_many(
+        self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
+    ) -> set[CallKey]:
+        """``mark_submitted`` for the calls of one accepted batch, in one transaction (one
+        commit for them all). Returns the calls marked now."""
+        marked: set[CallKey] = set()
+        async with self._transaction(durable=SUBMIT.durable) as conn:
+            for key in keys:
+                if await self._change(conn, SUBMIT, SUBMIT.sources, key, {}, reason) is not None:
+                    marked.add(key)
+        return marked
 
     async def note_resubmission(self, key: CallKey) -> int:
         """A submitted call still awaited was sent again and accepted again: count it (and say
@@ -411,18 +523,22 @@ class LedgerStore:
 
     # ------------------------------------------------- what each database does its own way
 
-    def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """A connection for one write."""
+    def _writing(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for one write. ``durable=False``: its commit need not reach the disk
+        before it returns (``Transition.durable``)."""
         raise NotImplementedError
 
-    def _transaction(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """A transaction for a write of several statements."""
+    def _transaction(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A transaction for a write of several statements (``durable`` as for ``_writing``)."""
         raise NotImplementedError
 
-    async def _record_new(
-        self, key: CallKey, params: dict[str, Any], fingerprint: str, reason: str, detail: str | None
-    ) -> Recorded:
-        """``RECORD``, or the call as recorded before (``_already_recorded``)."""
+    async def _record_new(self, new: NewCall) -> Recorded:
+        """``RECORD`` in a write of its own, or the call as recorded before
+        (``_already_recorded``)."""
+        raise NotImplementedError
+
+    async def _record_batch(self, news: Sequence[NewCall]) -> Sequence[Recorded | BaseException]:
+        """``_record_new`` for calls delivered together, in one commit."""
         raise NotImplementedError
 
     async def _change(
@@ -460,7 +576,7 @@ class LedgerStore:
         sources = transition.sources if only_from is None else transition.sources & frozenset(only_from)
         if not sources:
             return None
-        async with self._writing() as conn:
+        async with self._writing(durable=transition.durable) as conn:
             return await self._change(conn, transition, sources, key, params, reason, detail)
 
     async def _already_recorded(self, conn: AsyncConnection, key: CallKey, fingerprint: str) -> Recorded:
@@ -559,6 +675,9 @@ def require(call: CallRecord | None, what: str) -> CallRecord:
     if call is None:
         raise TransitionError(what)
     return call
+
+
+RECORDED_REASON = "recorded and claimed"
 
 
 def _claim_detail(claim_id: str | None) -> str | None:

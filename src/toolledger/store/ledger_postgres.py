@@ -8,23 +8,40 @@ facts"). Each statement is built once per shape (building a CTE costs more than 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import cached_property
 from typing import Any
 
-from sqlalchemy import CTE, Row, Select, String, bindparam, literal, null, select, tuple_
+from sqlalchemy import (
+    CTE,
+    Row,
+    Select,
+    String,
+    Text,
+    and_,
+    bindparam,
+    func,
+    literal,
+    null,
+    select,
+    true,
+    tuple_,
+)
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
+from sqlalchemy.sql.visitors import replacement_traverse
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
-from toolledger.domain.states import RECORD, CallStatus, Transition
-from toolledger.store.engine import utc_now
-from toolledger.store.ledger import LedgerStore
+from toolledger.domain.states import RECORD, SUBMIT, CallStatus, Transition
+from toolledger.errors import TransitionError
+from toolledger.store.engine import is_transient, utc_now
+from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log
 from toolledger.store.rows import call_record
-from toolledger.store.schema import StorableText, tool_call_events, tool_calls
+from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
 from toolledger.store.transitions import (
     CONFIRM,
     KEY_COLUMNS,
@@ -52,6 +69,10 @@ _EVENT_COLUMNS = (
 
 
 class PostgresLedger(LedgerStore):
+    # PostgreSQL commits several transactions at a time and groups their WAL flushes itself:
+    # one batch in flight would queue what it could run side by side.
+    _parallel_writes = 4
+
     @cached_property
     def _autocommit(self) -> AsyncEngine:
         """Same pool; each single-statement write commits by itself (no BEGIN/COMMIT trips)."""
@@ -69,22 +90,73 @@ class PostgresLedger(LedgerStore):
             rows = (await conn.execute(statement, params)).all()
         return {CallKey(r.session_id, r.turn_id, r.call_id) for r in rows}
 
-    def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
+    async def mark_submitted_many(
+        self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
+    ) -> set[CallKey]:
+        if not keys:
+            return set()
+        statement = self._statement(("mark_submitted_many",), lambda: self._build_change_many(SUBMIT))
+        params = {
+            "p_keys": [(k.session_id, k.turn_id, k.call_id) for k in keys],
+            **self._event_params(reason),
+        }
+        async with self._autocommit.connect() as conn:
+            rows = (await conn.execute(statement, params)).all()
+        return {CallKey(r.session_id, r.turn_id, r.call_id) for r in rows}
+
+    def _writing(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
+        # Durability is the statement's own business here (``_with_event``): in autocommit it
+        # sets synchronous_commit for its own transaction.
         return self._autocommit.connect()
 
-    def _transaction(self) -> AbstractAsyncContextManager[AsyncConnection]:
+    def _transaction(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
         return self.engine.begin()
 
-    async def _record_new(
-        self, key: CallKey, params: dict[str, Any], fingerprint: str, reason: str, detail: str | None
-    ) -> Recorded:
+    async def _record_new(self, new: NewCall) -> Recorded:
         statement = self._statement((RECORD.name,), self._build_record)
+        values = {**new.params, **self._event_params(RECORDED_REASON, new.detail)}
         async with self._autocommit.connect() as conn:
-            row = (await conn.execute(statement, {**params, **self._event_params(reason, detail)})).first()
+            row = (await conn.execute(statement, values)).first()
         if row is not None:
             return Recorded(call=call_record(row), claimed=True)
         async with self.engine.begin() as conn:
-            return await self._already_recorded(conn, key, fingerprint)
+            return await self._already_recorded(conn, new.key, new.fingerprint)
+
+    async def _record_batch(self, news: Sequence[NewCall]) -> Sequence[Recorded | BaseException]:
+        """The calls delivered together, recorded and claimed by ONE statement (each with its
+        claim event); those recorded before are then read, as for one call."""
+        if len(news) == 1:
+            return [await self._record_new(news[0])]
+        first: dict[CallKey, NewCall] = {}
+        for new in news:
+            first.setdefault(new.key, new)
+        statement = self._statement(("record_many",), self._build_record_many)
+        values = {
+            **{f"a_{name}": [_row_value(name, new) for new in first.values()] for name in _RECORD_ROW},
+            "p_lease_seconds": next(iter(first.values())).params["p_lease_seconds"],
+            "p_owner": self.owner,
+            **self._event_params(RECORDED_REASON),
+        }
+        try:
+            async with self._autocommit.connect() as conn:
+                rows = (await conn.execute(statement, values)).all()
+        except Exception as error:
+            if is_transient(error):
+                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
+            log.warning("recording %d calls together failed (%s): one by one", len(news), error)
+            return [await _outcome_of(self._record_new(new)) for new in news]
+        claimed = {row_call.key: row_call for row_call in map(call_record, rows)}
+        recorded: list[Recorded | BaseException] = []
+        for new in news:
+            if new.key in claimed and first[new.key] is new:
+                recorded.append(Recorded(call=claimed[new.key], claimed=True))
+                continue
+            try:
+                async with self.engine.begin() as conn:
+                    recorded.append(await self._already_recorded(conn, new.key, new.fingerprint))
+            except TransitionError as error:
+                recorded.append(error)
+        return recorded
 
     async def _change(
         self,
@@ -123,6 +195,61 @@ class PostgresLedger(LedgerStore):
             record_insert(postgresql.insert).cte("recorded"), RECORD.event, None, RECORD.target
         )
 
+    def _build_record_many(self) -> Select[Any]:
+        """``RECORD`` for the calls in the array parameters ``a_<name>`` (one element per
+        call, ``_RECORD_ROW``), each with its event: the one-call statement's declaration
+        (``record_insert``), its per-call parameters read from the arrays instead."""
+        delivered = select(
+            *(func.unnest(bindparam(f"a_{name}", type_=ARRAY(Text))).label(name) for name in _RECORD_ROW)
+        ).cte("delivered")
+        per_call = {name: delivered.c[name] for name in _RECORD_ROW}
+
+        def read_from_row(element: Any, **_options: Any) -> Any:
+            return per_call.get(element.key) if isinstance(element, BindParameter) else None
+
+        def from_row(expression: Any) -> Any:
+            clause: ColumnElement[Any] = (
+                expression if isinstance(expression, ColumnElement) else literal(expression)
+            )
+            return replacement_traverse(clause, {}, read_from_row)
+
+        columns = {
+            "session_id": bindparam("k_session_id"),
+            "turn_id": bindparam("k_turn_id"),
+            "call_id": bindparam("k_call_id"),
+            **changes(RECORD),
+        }
+        recorded = (
+            postgresql.insert(tool_calls)
+            .from_select(list(columns), select(*(from_row(value) for value in columns.values())))
+            .on_conflict_do_nothing()
+            .returning(tool_calls)
+            .cte("recorded")
+        )
+        events = select(
+            recorded.c.session_id,
+            recorded.c.turn_id,
+            recorded.c.call_id,
+            utc_now(),
+            bindparam("e_actor", type_=String),
+            literal(RECORD.event, String),
+            null(),
+            literal(RECORD.target.value, String),
+            recorded.c.lease_token,
+            bindparam("e_reason", type_=StorableText),
+            delivered.c.e_detail,
+        ).join_from(
+            recorded,
+            delivered,
+            and_(
+                recorded.c.session_id == delivered.c.k_session_id,
+                recorded.c.turn_id == delivered.c.k_turn_id,
+                recorded.c.call_id == delivered.c.k_call_id,
+            ),
+        )
+        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, events).cte("logged")
+        return select(recorded).add_cte(logged)
+
     def _build_change(self, transition: Transition, allowed: tuple[str, ...]) -> Select[Any]:
         if len(allowed) == 1:
             # One source: the event names it; the compare-and-set alone decides.
@@ -134,7 +261,9 @@ class PostgresLedger(LedgerStore):
                 .returning(tool_calls)
                 .cte("changed")
             )
-            return self._with_event(changed, transition.event, CallStatus(source), transition.target)
+            return self._with_event(
+                changed, transition.event, CallStatus(source), transition.target, durable=transition.durable
+            )
         # Locked first, so the event names the state the row really left (a concurrent
         # writer's commit is waited for and re-read, as the UPDATE itself would).
         locked = (
@@ -155,7 +284,39 @@ class PostgresLedger(LedgerStore):
             .returning(*tool_calls.c, locked.c.from_status)
             .cte("changed")
         )
-        return self._with_event(changed, transition.event, changed.c.from_status, transition.target)
+        return self._with_event(
+            changed, transition.event, changed.c.from_status, transition.target, durable=transition.durable
+        )
+
+    def _build_change_many(self, transition: Transition) -> Select[Any]:
+        """``transition`` on every call of ``p_keys`` that is in one of its sources, each with
+        its event naming the state it left (locked first, as for one call)."""
+        allowed = sorted(s.value for s in transition.sources)
+        locked = (
+            select(*KEY_COLUMNS, tool_calls.c.status.label("from_status"))
+            .where(
+                tuple_(*KEY_COLUMNS).in_(bindparam("p_keys", expanding=True)),
+                tool_calls.c.status.in_(allowed),
+            )
+            .with_for_update()
+            .cte("current_state")
+        )
+        changed = (
+            tool_calls.update()
+            .where(
+                tool_calls.c.session_id == locked.c.session_id,
+                tool_calls.c.turn_id == locked.c.turn_id,
+                tool_calls.c.call_id == locked.c.call_id,
+                tool_calls.c.status == locked.c.from_status,
+                *fenced(transition),
+            )
+            .values(**changes(transition))
+            .returning(*tool_calls.c, locked.c.from_status)
+            .cte("changed")
+        )
+        return self._with_event(
+            changed, transition.event, changed.c.from_status, transition.target, durable=transition.durable
+        )
 
     def _build_confirm_many(self) -> Select[Any]:
         confirmed = CONFIRM.update(tuple_(*KEY_COLUMNS).in_(bindparam("p_keys", expanding=True)))
@@ -171,9 +332,12 @@ class PostgresLedger(LedgerStore):
         to_status: CallStatus | None,
         *,
         with_token: bool = True,
+        durable: bool = True,
     ) -> Select[Any]:
         """The rows ``changed`` returns, each with its audit event inserted by the same statement
-        (actor, reason and detail are the parameters ``e_actor``, ``e_reason`` and ``e_detail``)."""
+        (actor, reason and detail are the parameters ``e_actor``, ``e_reason`` and ``e_detail``).
+        ``durable=False``: the statement's own transaction commits without waiting for the WAL
+        flush (``Transition.durable``); set by the statement itself, as it runs in autocommit."""
         rows = select(
             changed.c.session_id,
             changed.c.turn_id,
@@ -188,7 +352,42 @@ class PostgresLedger(LedgerStore):
             bindparam("e_detail", type_=StorableText),
         )
         logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, rows).cte("logged")
-        return select(changed).add_cte(logged)
+        if durable:
+            return select(changed).add_cte(logged)
+        # Transaction-local (is_local): it lasts until this statement's commit, which it governs.
+        relaxed = select(
+            func.set_config("synchronous_commit", "off", true()).label("synchronous_commit")
+        ).cte("relaxed")
+        return select(changed).add_cte(logged).join_from(changed, relaxed, true())
+
+
+async def _outcome_of(write: Awaitable[Recorded]) -> Recorded | BaseException:
+    try:
+        return await write
+    except Exception as error:  # this call's own, handed to its caller
+        return error
+
+
+_RECORD_ROW = (
+    "k_session_id",
+    "k_turn_id",
+    "k_call_id",
+    "p_tool_name",
+    "p_arguments",
+    "p_sha256",
+    "p_effect_class",
+    "p_idempotency_key",
+    "e_detail",
+)
+"""What differs between the calls of one ``record_many``: a text array each."""
+
+
+def _row_value(name: str, new: NewCall) -> str | None:
+    if name == "e_detail":
+        return None if new.detail is None else storable_text(new.detail)
+    value = new.params[name]
+    # An array's elements skip the column type's bind processing: StorableText's rule here.
+    return storable_text(value) if name == "p_arguments" else value
 
 
 def _status_sql(status: ColumnElement[Any] | CallStatus | None) -> ColumnElement[Any]:

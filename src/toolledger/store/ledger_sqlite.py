@@ -21,7 +21,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
 from toolledger.domain.states import RECORD, CallStatus, Transition
 from toolledger.store.engine import uninterrupted, write_lock
-from toolledger.store.ledger import LedgerStore
+from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall
 from toolledger.store.rows import call_record
 from toolledger.store.schema import tool_calls
 from toolledger.store.transitions import KEY_MATCH, Note, changes, fenced, key_params, record_insert
@@ -36,27 +36,57 @@ class SqliteLedger(LedgerStore):
     async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
         return {key for key in keys if await self.mark_confirmed(key)}
 
-    def _writing(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        return self._transaction()
+    def _writing(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
+        return self._transaction(durable=durable)
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
-        async with self._write_lock, self.engine.begin() as conn:
-            yield conn
+    async def _transaction(self, *, durable: bool = True) -> AsyncIterator[AsyncConnection]:
+        if durable:
+            async with self._write_lock, self.engine.begin() as conn:
+                yield conn
+            return
+        # WAL with synchronous=NORMAL: the commit survives the process being killed, not the
+        # machine losing power, and skips the fsync. SQLite refuses to change it inside a
+        # transaction, so it is set around one, under the write lock (no other write of this
+        # process meets the connection meanwhile), and FULL is back before it returns to the pool.
+        async with self._write_lock, self.engine.connect() as conn:
+            await _synchronous(conn, "NORMAL")
+            try:
+                async with conn.begin():
+                    yield conn
+            finally:
+                try:
+                    await _synchronous(conn, "FULL")
+                except BaseException:
+                    # Never back in the pool less durable than every other connection.
+                    await conn.invalidate()
+                    raise
 
-    async def _record_new(
-        self, key: CallKey, params: dict[str, Any], fingerprint: str, reason: str, detail: str | None
-    ) -> Recorded:
-        insert = self._statement((RECORD.name,), lambda: record_insert(sqlite.insert))
+    async def _record_new(self, new: NewCall) -> Recorded:
         async with self._transaction() as conn:
-            row = (await conn.execute(insert, params)).first()
-            if row is None:
-                return await self._already_recorded(conn, key, fingerprint)
-            call = call_record(row)
-            await self._event(
-                conn, key, RECORD.event, None, RECORD.target, call.lease_token, reason, detail=detail
-            )
-            return Recorded(call=call, claimed=True)
+            return await self._record_in(conn, new)
+
+    async def _record_batch(self, news: Sequence[NewCall]) -> Sequence[Recorded | BaseException]:
+        # Group commit: one transaction, one fsync, for the calls delivered together.
+        return await self._together(news, self._record_in)
+
+    async def _record_in(self, conn: AsyncConnection, new: NewCall) -> Recorded:
+        insert = self._statement((RECORD.name,), lambda: record_insert(sqlite.insert))
+        row = (await conn.execute(insert, new.params)).first()
+        if row is None:
+            return await self._already_recorded(conn, new.key, new.fingerprint)
+        call = call_record(row)
+        await self._event(
+            conn,
+            new.key,
+            RECORD.event,
+            None,
+            RECORD.target,
+            call.lease_token,
+            RECORDED_REASON,
+            detail=new.detail,
+        )
+        return Recorded(call=call, claimed=True)
 
     async def _change(
         self,
@@ -97,6 +127,11 @@ class SqliteLedger(LedgerStore):
             if row is not None:
                 await self._event(conn, key, note.event, note.status, note.status, None, reason)
             return row
+
+
+async def _synchronous(conn: AsyncConnection, level: str) -> None:
+    await conn.exec_driver_sql(f"PRAGMA synchronous={level}")
+    await conn.commit()  # the pragma ran outside any SQLite transaction; end SQLAlchemy's
 
 
 def _build_change(transition: Transition) -> Any:
