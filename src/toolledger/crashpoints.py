@@ -26,6 +26,17 @@ CP_SUBMIT_ACCEPTED = "submit_accepted"
 the code that submitted."""
 CP_AFTER_SUBMIT_RESPONSE = "after_submit_response"
 """The Agents API accepted the result; ``submitted`` is not yet written."""
+CP_BATCH_SUBMIT_ACCEPTED = "batch_submit_accepted"
+"""The Agents API answered a submission of several results (one session's batch) with 2xx;
+the answer has not reached the code that submitted."""
+CP_AFTER_BATCH_RESPONSE = "after_batch_response"
+"""The Agents API accepted a batch of results; none of them is marked ``submitted`` yet."""
+CP_AFTER_BATCH_RECORD = "after_batch_record"
+"""Several delivered calls are recorded and claimed in one commit (a batch of the ledger's
+writes); none of their handlers has started."""
+CP_AFTER_BATCH_OUTCOMES = "after_batch_outcomes"
+"""Several outcomes are stored in one commit (a batch of the ledger's writes); none of them
+is submitted yet."""
 CP_DURING_RECOVERY = "during_recovery"
 """Recovery has expired leases and is about to settle and submit."""
 CP_DURING_RECONCILE = "during_reconcile"
@@ -40,6 +51,10 @@ ALL_POINTS = frozenset(
         CP_AFTER_RESULT_COMMIT,
         CP_SUBMIT_ACCEPTED,
         CP_AFTER_SUBMIT_RESPONSE,
+        CP_BATCH_SUBMIT_ACCEPTED,
+        CP_AFTER_BATCH_RESPONSE,
+        CP_AFTER_BATCH_RECORD,
+        CP_AFTER_BATCH_OUTCOMES,
         CP_DURING_RECOVERY,
         CP_DURING_RECONCILE,
         CP_INSIDE_HANDLER,

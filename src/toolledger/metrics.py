@@ -29,6 +29,12 @@ SUBMISSION_DURATION = Histogram(
     "Time to submit one stored result to the Agents API, retries included.",
     buckets=_SUBMISSION_BUCKETS,
 )
+SUBMISSION_BATCH_SIZE = Histogram(
+    "toolledger_submission_batch_results",
+    "Results sent together in one request of several (a session's results that became ready "
+    "while its previous request was in flight).",
+    buckets=(2, 3, 4, 6, 8, 12, 16, 32, 64, 128),
+)
 SUBMISSIONS = Counter(
     "toolledger_submissions",
     "Submissions of stored results, by outcome (submitted, abandoned, failed, not_sent).",
@@ -113,6 +119,7 @@ __all__ = [
     "HANDLER_DURATION",
     "RETRIES",
     "SUBMISSIONS",
+    "SUBMISSION_BATCH_SIZE",
     "SUBMISSION_DURATION",
     "LedgerCollector",
     "LedgerSnapshot",

@@ -70,6 +70,14 @@ class Settings(BaseSettings):
         "that is restarting or unreachable before it is given up (the call then becomes "
         "`unknown` when its lease expires).",
     )
+    batching: bool = Field(
+        default=True,
+        description="Write and send together what becomes ready at the same moment, never "
+        "waiting to fill a batch: calls delivered together are recorded in one commit, outcomes "
+        "ready together are stored in one, and a session's results that become ready while its "
+        "previous submission is in flight go in one request. Off: one commit per write and one "
+        "request per result, as the SDK's own runner does.",
+    )
     max_concurrent_calls: int = Field(
         default=64, ge=1, description="Handlers one `serve` process runs at once (over all sessions)."
     )

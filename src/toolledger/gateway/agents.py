@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -44,13 +45,19 @@ class AgentsGateway:
         self,
         client: AsyncOpenAI,
         *,
+        stream_client: AsyncOpenAI | None = None,
         attempts: int = 6,
         race_attempts: int = 4,
         initial_wait: float = 0.1,
         max_wait: float = 2.0,
     ) -> None:
+        """``stream_client``: the client whose connections hold the sessions' event streams
+        (``client`` itself when None)."""
         # One retry policy, here: the SDK's own retries would hide attempts from the ledger.
         self.client = client.with_options(max_retries=0)
+        self.stream_client = (
+            self.client if stream_client is None else stream_client.with_options(max_retries=0)
+        )
         self._attempts = attempts
         self._race_attempts = race_attempts
         self._initial_wait = initial_wait
@@ -58,19 +65,29 @@ class AgentsGateway:
 
     @classmethod
     def connect(cls, *, api_key: str | None, base_url: str | None, **policy: Any) -> AgentsGateway:
-        # Every followed session holds one streaming connection: the SDK's default pool (1,000
-        # connections) would make the thousand-and-first session wait forever.
+        """Two connection pools: the event streams', where every followed session holds a
+        connection for as long as it is followed (the SDK's default pool, 1,000 connections,
+        would make the thousand-and-first session wait for ever), and the requests', kept
+        apart because the pool looks over every connection it holds for each request it
+        sends (with a thousand streams in it, that look was a tenth of a busy serve's CPU)."""
         hooks = {"response": [_crash_when_submission_accepted]} if crashpoints.armed() else {}
-        http_client = DefaultAsyncHttpxClient(
+        key = api_key or "unused-by-the-emulator"
+        requests = DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200), event_hooks=hooks
         )
-        client = _AgentsClient(
-            api_key=api_key or "unused-by-the-emulator", base_url=base_url, http_client=http_client
+        streams = DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=0)
         )
-        return cls(client, **policy)
+        return cls(
+            KeepAliveTolerantClient(api_key=key, base_url=base_url, http_client=requests),
+            stream_client=KeepAliveTolerantClient(api_key=key, base_url=base_url, http_client=streams),
+            **policy,
+        )
 
     async def close(self) -> None:
         await self.client.close()
+        if self.stream_client is not self.client:
+            await self.stream_client.close()
 
     async def submit_tool_result(
         self,
@@ -89,11 +106,25 @@ class AgentsGateway:
         Raises SessionGoneError when the session is gone, SubmissionError otherwise (its
         ``kind`` says whether a later resubmission may still succeed).
         """
+        await self.submit_tool_results(session_id, [payload], idempotency_key, expect_pending=expect_pending)
+
+    async def submit_tool_results(
+        self,
+        session_id: str,
+        payloads: Sequence[dict[str, Any]],
+        idempotency_key: str,
+        *,
+        expect_pending: bool = True,
+    ) -> None:
+        """``submit_tool_result`` for several results of one session in ONE request: the API
+        applies it whole or not at all. A refusal names no call of its own when there are
+        several (``classify`` then looks at any call)."""
+        call_id = payloads[0].get("call_id") if len(payloads) == 1 else None
         races = 0
 
         def should_retry(error: BaseException) -> bool:
             nonlocal races
-            kind = classify(error, payload.get("call_id"))
+            kind = classify(error, call_id)
             if kind is SubmissionFailure.NOT_PENDING and expect_pending:
                 # Listed a moment ago: the service has not registered the call yet.
                 races += 1
@@ -110,19 +141,18 @@ class AgentsGateway:
             retry=retry_if_exception(should_retry),
             reraise=True,
         )
+        events = [cast(SessionInputParamAgentSessionInputToolResult, payload) for payload in payloads]
         try:
             async for attempt in retrying:
                 with attempt:
                     await self.client.beta.agents.sessions.events.create(
-                        session_id,
-                        events=[cast(SessionInputParamAgentSessionInputToolResult, payload)],
-                        idempotency_key=idempotency_key,
+                        session_id, events=events, idempotency_key=idempotency_key
                     )
         except _REFUSED_CREDENTIALS as error:
-            # Not this result's fault: nothing is recorded against the call.
+            # Not these results' fault: nothing is recorded against the calls.
             raise _auth_error(error) from error
         except openai.OpenAIError as error:
-            kind = classify(error, payload.get("call_id"))
+            kind = classify(error, call_id)
             if kind is SubmissionFailure.SESSION_GONE:
                 raise SessionGoneError(f"session {session_id} not found") from error
             # Still "not pending" after the race retries while listed: the next reconcile decides.
@@ -175,7 +205,7 @@ class AgentsGateway:
         connection cannot stall a session for ever.
         """
         try:
-            stream = await self.client.beta.agents.sessions.events.stream(
+            stream = await self.stream_client.beta.agents.sessions.events.stream(
                 session_id, timeout=httpx2.Timeout(idle_timeout, connect=CONNECT_TIMEOUT)
             )
         except openai.NotFoundError as error:
@@ -230,7 +260,7 @@ class _KeepAliveTolerantDecoder(SSEDecoder):
         return super().decode(line)
 
 
-class _AgentsClient(AsyncOpenAI):
+class KeepAliveTolerantClient(AsyncOpenAI):
     """The SDK's client with a keep-alive tolerant SSE decoder for event streams."""
 
     def _make_sse_decoder(self) -> SSEDecoder:
@@ -258,4 +288,7 @@ class SessionEvents:
 async def _crash_when_submission_accepted(response: httpx2.Response) -> None:
     request = response.request
     if request.method == "POST" and request.url.path.endswith("/events") and response.is_success:
-        crashpoints.crash_point(crashpoints.CP_SUBMIT_ACCEPTED)
+        if len(json.loads(request.content).get("events", [])) > 1:
+            crashpoints.crash_point(crashpoints.CP_BATCH_SUBMIT_ACCEPTED)
+        else:
+            crashpoints.crash_point(crashpoints.CP_SUBMIT_ACCEPTED)

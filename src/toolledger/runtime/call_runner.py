@@ -45,6 +45,9 @@ class CallRunner:
         self._on_fatal = on_fatal
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[CallKey, asyncio.Task[HandleReport]] = {}
+        self._running: dict[str, set[CallKey]] = {}
+        """Per session, its calls holding a slot: being handled now, not queued for one."""
+        executor.submitter.follow_running(lambda session_id: self._running.get(session_id, ()))
         self._submitted: OrderedDict[CallKey, float] = OrderedDict()
         """Calls this process saw accepted, and when (monotonic): a listing shortly after is stale."""
         self._accepting = True
@@ -82,7 +85,7 @@ class CallRunner:
         # Shielded: a caller giving up (a follower reconnecting) must not cancel the call.
         return None if task is None else await asyncio.shield(task)
 
-    async def settle(self, session_id: str) -> None:
+    async def wait_for_running(self, session_id: str) -> None:
         """Wait until the calls of a session running now are done with (submitted or not)."""
         running = [t for k, t in self._inflight.items() if k.session_id == session_id]
         if running:
@@ -111,25 +114,39 @@ class CallRunner:
 
     async def _run(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
         async with self._slots:
+            running = self._running.setdefault(key.session_id, set())
+            running.add(key)
             try:
-                report = await self.executor.handle(key.session_id, action, known)
-                self._remember(report)
-                if self._on_report is not None:
-                    self._on_report(report)
-                return report
-            except AgentsAuthError as error:
-                if self._on_fatal is not None:
-                    self._on_fatal(error)
-                return HandleReport(key, HandleAction.ERROR, None)
-            except Exception:
-                # Most likely the database or the API is away. The ledger holds how far the
-                # call got; the reconciler picks it up from there.
-                log_failure(log, "handling call %s stopped", key)
-                return HandleReport(key, HandleAction.ERROR, None)
-            except BaseException:
-                # A handler's own BaseException: the call's lease will expire into `unknown`.
-                note_interruption(log, "handling call %s interrupted", key)
-                return HandleReport(key, HandleAction.INTERRUPTED, None)
+                report = await self._handle(key, action, known)
+            finally:
+                running.discard(key)
+                if not running and self._running.get(key.session_id) is running:
+                    del self._running[key.session_id]
+                await self.executor.submitter.running_finished(key.session_id)
+        self._remember(report)
+        if self._on_report is not None:
+            self._on_report(report)
+        return report
+
+    async def _handle(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
+        # A call cut off here is looked at again once its lease can have run out: by then the
+        # ledger says what is left to do (run again, wait for an operator, or send a result).
+        look_again = self.executor.settings.lease_seconds
+        try:
+            return await self.executor.handle(key.session_id, action, known)
+        except AgentsAuthError as error:
+            if self._on_fatal is not None:
+                self._on_fatal(error)
+            return HandleReport(key, HandleAction.ERROR, None)
+        except Exception:
+            # Most likely the database or the API is away. The ledger holds how far the
+            # call got.
+            log_failure(log, "handling call %s stopped", key)
+            return HandleReport(key, HandleAction.ERROR, None, retry_in=look_again)
+        except BaseException:
+            # A handler's own BaseException: the call's lease will expire into `unknown`.
+            note_interruption(log, "handling call %s interrupted", key)
+            return HandleReport(key, HandleAction.INTERRUPTED, None, retry_in=look_again)
 
     async def drain(self, grace: float) -> int:
         """Take no new calls; wait up to ``grace`` seconds for running ones, then cancel the

@@ -132,7 +132,9 @@ class Runtime:
 
     def ledger_store(self, actor: str, *, owner: str | None = None) -> LedgerStore:
         """The ledger's transitions, recorded as done by ``actor`` (leases held by ``owner``)."""
-        return LedgerStore(self.engine, actor=actor, owner=owner, redactor=self.redactor)
+        return LedgerStore(
+            self.engine, actor=actor, owner=owner, redactor=self.redactor, batching=self.settings.batching
+        )
 
     def session_store(self) -> SessionStore:
         return SessionStore(self.engine)

@@ -123,7 +123,8 @@ class Verify:
 
 @dataclass(frozen=True)
 class Settle:
-    """Give the ``unknown`` call this outcome without running it, then send it."""
+    """Give the ``unknown`` call this outcome without running it (the catalogue's SETTLE, the
+    one meaning of "settle" here), then send it."""
 
     outcome: Outcome
     reason: str

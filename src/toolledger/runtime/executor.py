@@ -92,6 +92,8 @@ class HandleReport:
     """Seconds after which the call should be looked at again, when it waits for something
     whose end is known: another worker's lease, an ``unknown_deadline``, a submission's
     backoff. None when nothing will change by itself."""
+    submission: SubmitOutcome | None = None
+    """What sending the result came to, when this handling sent it."""
 
 
 @dataclass
@@ -124,7 +126,7 @@ class Executor:
         self.policy = Policy.of(settings, run_handlers=run_handlers)
         self.ledger = RetriedLedger(store, settings)
         self.handlers = HandlerRunner(store, settings)
-        self.submitter = Submitter(gateway, self.ledger)
+        self.submitter = Submitter(gateway, self.ledger, batching=settings.batching)
         self._asked: OrderedDict[CallKey, None] = OrderedDict()
 
     # ------------------------------------------------------------------ entry
@@ -379,4 +381,4 @@ def _note_report(span: CallSpan, report: HandleReport) -> None:
 
 def _submission_report(call: CallRecord, action: HandleAction, outcome: SubmitOutcome) -> HandleReport:
     retry_in = submission_backoff(call) if outcome is SubmitOutcome.FAILED else None
-    return HandleReport(call.key, action, call.status, outcome is SubmitOutcome.SUBMITTED, retry_in)
+    return HandleReport(call.key, action, call.status, outcome is SubmitOutcome.SUBMITTED, retry_in, outcome)

@@ -126,7 +126,7 @@ class Reconciler:
             return result
         await self._run_listed(result, listed)
         async with self._slots:
-            await self._settle_the_rest(result, listed)
+            await self._close_unlisted(result, listed)
         return result
 
     async def _read(self, result: SessionReconciliation) -> dict[CallKey, FunctionCallAction] | None:
@@ -158,7 +158,7 @@ class Reconciler:
                 result.actions["left_alone"] += 1
         return listed
 
-    async def _settle_the_rest(
+    async def _close_unlisted(
         self, result: SessionReconciliation, listed: dict[CallKey, FunctionCallAction]
     ) -> None:
         """Open calls the session no longer lists: confirm, resubmit or abandon them."""
@@ -170,23 +170,41 @@ class Reconciler:
         # Read again: the snapshot predates the retrieve, and a call's own run may have moved
         # it on since (submitted it, say), which must not be mistaken for work left over.
         current = await store.get_many([key for key in unlisted if key not in busy])
-        unsettled = [
+        still_open = [
             c for c in current.values() if c.status is not CallStatus.ABANDONED and c.confirmed_at is None
         ]
         # The common case, a turn over with every result in: confirmed in one statement.
-        consumed = [c.key for c in unsettled if c.status is CallStatus.SUBMITTED]
+        consumed = [c.key for c in still_open if c.status is CallStatus.SUBMITTED]
         confirmed = await store.mark_confirmed_many(consumed)
         result.actions["confirmed"] += len(confirmed)
         result.actions["raced"] += len(consumed) - len(confirmed)
-        for call in unsettled:
+        for call in still_open:
             if call.status is not CallStatus.SUBMITTED:
-                result.actions[await self._settle_unlisted(call, result)] += 1
+                result.actions[await self._close_one_unlisted(call, result)] += 1
         for counted in ("confirmed", "raced"):
             if not result.actions[counted]:
                 del result.actions[counted]
         if not result.actions["in_flight"]:
             del result.actions["in_flight"]
         await self.sessions.mark_polled(session_id, status=result.status)
+
+    async def confirm_turn(self, session_id: str, turn_id: str) -> int | None:
+        """The session said turn ``turn_id`` completed: its submitted results were consumed.
+        When those are all the session has open (none on its way here), they are confirmed
+        from the event alone, without reading the session back; returns how many. None when
+        anything else is open: a full reconcile must look."""
+        async with self._slots:
+            open_calls = await self.executor.store.open_calls(session_id)
+            if not open_calls or any(
+                call.key.turn_id != turn_id
+                or call.status is not CallStatus.SUBMITTED
+                or self._in_flight(call.key)
+                for call in open_calls
+            ):
+                return None
+            confirmed = await self.executor.store.mark_confirmed_many([c.key for c in open_calls])
+        # A call another process moved meanwhile: a full reconcile looks at what became of it.
+        return len(confirmed) if len(confirmed) == len(open_calls) else None
 
     async def reconcile_many(
         self,
@@ -228,7 +246,7 @@ class Reconciler:
             if report is not None:
                 result.retry_after(report.retry_in)
 
-    async def _settle_unlisted(self, call: CallRecord, result: SessionReconciliation) -> str:
+    async def _close_one_unlisted(self, call: CallRecord, result: SessionReconciliation) -> str:
         """An open call the session no longer lists."""
         store = self.executor.store
         if call.status is CallStatus.SUBMITTED:

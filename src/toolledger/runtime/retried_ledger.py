@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_exponential
@@ -104,6 +104,13 @@ class RetriedLedger:
         async for attempt in self.retrying():
             with attempt:
                 await self.store.mark_submitted(key)
+
+    async def mark_submitted_many(self, keys: Sequence[CallKey]) -> None:
+        """Commit point 3 for a batch the Agents API accepted (a retry after an ambiguous
+        commit finds the calls submitted already, which is the same end)."""
+        async for attempt in self.retrying():
+            with attempt:
+                await self.store.mark_submitted_many(keys)
 
     async def _claiming(
         self, key: CallKey, write: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any

@@ -448,7 +448,8 @@ class Service:
             return await self._reconcile(session_id) is not None
         elif kind in TURN_ENDS:
             # The turn's calls left required_actions: confirm (or abandon) them in the ledger.
-            self._request_reconcile(session_id)
+            completed = event.turn_id if kind == "agent.session.turn.completed" else None
+            self._request_reconcile(session_id, completed_turn=completed)
         return True
 
     async def _reconcile(self, session_id: str) -> SessionReconciliation | None:
@@ -464,6 +465,15 @@ class Service:
         if result.retry_in is not None:
             self._wake_later(session_id, result.retry_in)
         return result
+
+    async def _confirm_turn(self, session_id: str, turn_id: str) -> bool:
+        """Whether the completed turn's results were all that was open, now confirmed."""
+        confirmed = await self.reconciler.confirm_turn(session_id, turn_id)
+        if confirmed is None:
+            return False
+        with log_fields(session_id=session_id):
+            log.info("session %s: turn %s completed: %s", session_id, turn_id, {"confirmed": confirmed})
+        return True
 
     def _note_report(self, report: HandleReport) -> None:
         if report.retry_in is not None:
@@ -488,8 +498,12 @@ class Service:
         if not self._stopping and session_id in self._followers:
             self._request_reconcile(session_id)
 
-    def _request_reconcile(self, session_id: str) -> None:
-        """Reconcile in the background, at most one pass per session at a time."""
+    def _request_reconcile(self, session_id: str, *, completed_turn: str | None = None) -> None:
+        """Reconcile in the background, at most one pass per session at a time.
+
+        ``completed_turn``: the session just said this turn completed. Its results were
+        consumed, and when they are all that is open they are confirmed without a full pass
+        (no read of the session back from the API: the event said what it would say)."""
         if session_id in self._reconciling:
             self._again.add(session_id)
             return
@@ -498,13 +512,16 @@ class Service:
         assert runner is not None
 
         async def run() -> None:
+            turn = completed_turn
             try:
                 while True:
                     self._again.discard(session_id)
                     try:
                         # The turn's last submissions may still be on their way back.
-                        await runner.settle(session_id)
-                        await self._reconcile(session_id)
+                        await runner.wait_for_running(session_id)
+                        if turn is None or not await self._confirm_turn(session_id, turn):
+                            await self._reconcile(session_id)
+                        turn = None  # a pass asked for again may have been asked for anything
                     except AgentsAuthError as error:
                         self._fail(error)
                         return

@@ -130,5 +130,5 @@ class ToolLedger:
         return await self.executor.handle(session_id, required_action)
 
     async def recover(self) -> RecoveryReport:
-        """Settle what crashes left: expired leases, unknown outcomes, unsubmitted results."""
+        """Recover what crashes left: expired leases, unknown outcomes, unsubmitted results."""
         return await self.executor.recover()
