@@ -73,7 +73,7 @@ def reference_markdown() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated from toolledger.settings.Settings by `toolledger config --reference`;",
-        "     tests/test_config.py fails when this file and the model differ. -->",
+        "     tests/cli/test_config.py fails when this file and the model differ. -->",
         "",
         "Every option is an environment variable (or a line of a `.env` file in the working",
         'directory). Lists and maps are JSON (`TOOLLEDGER_SECRET_FIELDS=\'["password", "pin"]\'`).',

@@ -176,6 +176,15 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
     default=None,
     help="Audit API port; 0 picks a free one (default: TOOLLEDGER_API_PORT or 8700).",
 )
+@click.option(
+    "--processes",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    envvar="TOOLLEDGER_PROCESSES",
+    help="Serve processes on this machine, sharing the watched sessions (PostgreSQL; one per "
+    "core uses them all).",
+)
 @click.option("--log-level", type=LOG_LEVELS, default="info", show_default=True)
 def serve(
     tools_reference: str,
@@ -187,9 +196,25 @@ def serve(
     with_api: bool,
     api_host: str | None,
     api_port: int | None,
+    processes: int,
     log_level: str,
 ) -> None:
     """Follow watched sessions and run their function calls durably, until SIGTERM/SIGINT."""
+    if processes > 1:
+        _serve_processes(
+            processes,
+            tools_reference,
+            watch_ids,
+            database_url=database_url,
+            base_url=base_url,
+            concurrency=concurrency,
+            grace=grace,
+            with_api=with_api,
+            api_host=api_host,
+            api_port=api_port,
+            log_level=log_level,
+        )
+        return
     registry = load_tools(tools_reference)
     settings = settings_from(
         database_url=database_url,
@@ -215,6 +240,54 @@ def serve(
         os._exit(1 if failure is not None else 0)
     if failure is not None:
         raise click.ClickException(str(failure))
+
+
+def _serve_processes(
+    processes: int,
+    tools_reference: str,
+    watch_ids: tuple[str, ...],
+    *,
+    log_level: str,
+    with_api: bool,
+    **options: Any,
+) -> None:
+    """``serve --processes N``: N serve processes, one of them with the audit API."""
+    from sqlalchemy.engine import make_url
+
+    from toolledger.cli.supervisor import supervise
+
+    settings = settings_from(database_url=options["database_url"], openai_base_url=options["base_url"])
+    configure_logging(log_level, settings)
+    if make_url(settings.database_url).get_backend_name() == "sqlite":
+        raise click.UsageError(
+            "--processes above 1 needs PostgreSQL: SQLite lets one serve process at a time write "
+            "the ledger (run one serve, or point TOOLLEDGER_DATABASE_URL at PostgreSQL)"
+        )
+    load_tools(tools_reference)  # a bad reference is refused here, once, not by N children
+    shared = ["--tools", tools_reference, "--log-level", log_level, "--processes", "1"]
+    for name, value in options.items():
+        if value is not None:
+            shared += [f"--{name.replace('_', '-')}", str(value)]
+    first = [*shared, *(a for w in watch_ids for a in ("--watch", w)), *(["--api"] if with_api else [])]
+    children = [first] + [_without_api_options(shared)] * (processes - 1)
+    code = supervise(children)
+    if code:
+        sys.exit(code)
+
+
+def _without_api_options(arguments: list[str]) -> list[str]:
+    """The audit API listens in the first process only (one port)."""
+    kept: list[str] = []
+    skip = False
+    for argument in arguments:
+        if skip:
+            skip = False
+            continue
+        if argument in ("--api-host", "--api-port"):
+            skip = True
+            continue
+        kept.append(argument)
+    return kept
 
 
 def _audit_app(settings: Settings, registry: ToolRegistry) -> FastAPI:

@@ -652,7 +652,7 @@ RESOLVE_MESSAGES = {
     "submit_failed": "resolved; the submission failed for now and is retried by `toolledger serve`",
     "not_sent": "resolved; no Agents API is configured here, `toolledger serve` submits it",
     "rerun": "ran again here, and its result was submitted",
-    "left_for_service": "re-opened: `toolledger serve` runs it again",
+    "left_for_service": "re-opened: `toolledger serve` runs it again (or another worker took it first)",
 }
 
 
@@ -729,11 +729,11 @@ def resolve_call(
         import json
 
         click.echo(
-            json.dumps({"action": report.action, "call": report.call.model_dump(mode="json")}, indent=2)
+            json.dumps({"action": str(report.action), "call": report.call.model_dump(mode="json")}, indent=2)
         )
         return
     call = report.call
-    message = RESOLVE_MESSAGES.get(report.action, report.action)
+    message = RESOLVE_MESSAGES[report.action]
     click.echo(f"{call.session_id}/{call.turn_id}/{call.call_id}: {message}")
     click.echo(f"action: {report.action}; status: {call.status}")
 
