@@ -55,6 +55,7 @@ from toolledger.audit.service import (
     NotResolvableError,
     Resolution,
     ResolutionKind,
+    ResolveAction,
 )
 from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, SessionView
 from toolledger.domain.queries import (
@@ -170,12 +171,11 @@ ResolveRequest = Annotated[OutputResolution | ErrorResolution | RerunResolution,
 
 
 class ResolveResponse(BaseModel):
-    action: Literal["submitted", "abandoned", "submit_failed", "not_sent", "rerun", "left_for_service"] = (
-        Field(
-            description="submitted; abandoned (the session no longer awaits it); submit_failed (left for "
-            "the reconciler); not_sent (no Agents API configured here: `serve` submits it); rerun (ran "
-            "again here and submitted); left_for_service (`serve` runs it again)."
-        )
+    action: ResolveAction = Field(
+        description="submitted; abandoned (the session no longer awaits it); submit_failed (left for "
+        "the reconciler); not_sent (no Agents API configured here: `serve` submits it); rerun (ran "
+        "again here and submitted); left_for_service (`serve` runs it again, or another worker took "
+        "it first)."
     )
     call: CallView
 

@@ -34,6 +34,7 @@ from toolledger.domain.queries import CallQuery, CallReference, QueryError
 from toolledger.domain.records import CallRecord
 from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus
+from toolledger.domain.submissions import SubmitOutcome
 from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
 from toolledger.store.ledger import LedgerStore
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     # a resolution, not to list, show or export: imported only then, so `calls list` starts fast.
     from toolledger.gateway.agents import AgentsGateway
     from toolledger.runtime.composition import Runtime
-    from toolledger.runtime.executor import Executor
+    from toolledger.runtime.executor import Executor, HandleReport
     from toolledger.runtime.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,27 @@ class Resolution:
             raise QueryError(f"an error message must be 1 to {TOOL_ERROR_MAX_CHARS} characters")
 
 
+class ResolveAction(StrEnum):
+    """What resolving an ``unknown`` call came to: every value a ``ResolveReport`` carries."""
+
+    SUBMITTED = "submitted"
+    """The operator's outcome was sent: the session has it."""
+    ABANDONED = "abandoned"
+    """The session no longer awaits the call: the outcome is kept, and the call abandoned."""
+    SUBMIT_FAILED = "submit_failed"
+    """Sending failed for now (or the key was refused): the reconciler sends it later."""
+    NOT_SENT = "not_sent"
+    """No Agents API is configured here: ``serve`` sends it."""
+    RERUN = "rerun"
+    """Run again here, and its result sent."""
+    LEFT_FOR_SERVICE = "left_for_service"
+    """Re-opened for ``serve`` to run (no tools here, or another worker took it first)."""
+
+
 @dataclass(frozen=True)
 class ResolveReport:
     call: CallView
-    action: str
-    """``submitted``, ``abandoned`` (the session no longer awaits it), ``submit_failed`` (left
-    for the reconciler), ``not_sent`` (no Agents API configured: the service submits it),
-    ``rerun`` (ran again here and submitted), ``left_for_service`` (re-run by ``serve``)."""
+    action: ResolveAction
 
 
 class AuditService:
@@ -211,10 +226,9 @@ class AuditService:
             if reopened is None:
                 raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
             if self.registry is None:
-                return ResolveReport(call_view(reopened, self.redactor), "left_for_service")
+                return ResolveReport(call_view(reopened, self.redactor), ResolveAction.LEFT_FOR_SERVICE)
             try:
-                report = await self._executor(operator_store).handle_recorded(reopened)
-                action = "rerun" if report.submitted else report.action
+                action = _rerun_action(await self._executor(operator_store).handle_recorded(reopened))
             except AgentsAuthError as error:
                 action = _refused_submission(call, error)
             latest = await self.find_one(CallReference(key=call.key))
@@ -254,19 +268,31 @@ class AuditService:
         )
 
 
-def _refused_submission(call: CallRecord, error: AgentsAuthError) -> str:
+def _rerun_action(report: HandleReport) -> ResolveAction:
+    """A re-run's handling told as a resolution: every ``HandleAction`` lands on one."""
+    if report.submission is SubmitOutcome.SUBMITTED:
+        return ResolveAction.RERUN
+    if report.submission is not None:
+        return _RESOLVE_ACTIONS[report.submission]
+    if report.status is CallStatus.ABANDONED:
+        return ResolveAction.ABANDONED
+    # Not sent by this handling: another worker claimed the re-opened call first (or fenced
+    # this run), and its result is that worker's to send.
+    return ResolveAction.LEFT_FOR_SERVICE
+
+
+def _refused_submission(call: CallRecord, error: AgentsAuthError) -> ResolveAction:
     """The resolution is on the record; only its submission was refused (the key): say so,
     and leave it for `serve` to submit once the credentials are fixed."""
     log.warning("call %s: resolved, but not submitted: %s", call.key, error)
-    return "submit_failed"
+    return ResolveAction.SUBMIT_FAILED
 
 
 _RESOLVE_ACTIONS = {
-    # SubmitOutcome's values (a StrEnum, so its members find these keys).
-    "submitted": "submitted",
-    "abandoned": "abandoned",
-    "failed": "submit_failed",
-    "not_sent": "not_sent",
+    SubmitOutcome.SUBMITTED: ResolveAction.SUBMITTED,
+    SubmitOutcome.ABANDONED: ResolveAction.ABANDONED,
+    SubmitOutcome.FAILED: ResolveAction.SUBMIT_FAILED,
+    SubmitOutcome.NOT_SENT: ResolveAction.NOT_SENT,
 }
 
 CSV_COLUMNS = [
@@ -326,5 +352,6 @@ __all__ = [
     "NotResolvableError",
     "Resolution",
     "ResolutionKind",
+    "ResolveAction",
     "ResolveReport",
 ]
