@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -7,12 +8,14 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.databases import PostgresTemplate, require_postgres, server_url
+from tests.support.calls_cli import Ledger
+from tests.support.databases import PostgresTemplate, require_postgres, server_url
+from tests.support.ledger_fill import FilledLedger, fill_ledger
 from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
 
 # Subprocesses' logs are read as text by the tests that grep them; the JSON lines a log
-# shipper gets (the default off a terminal) have their own tests (tests/service/test_logs.py).
+# shipper gets (the default off a terminal) have their own tests (tests/runtime/test_logs.py).
 os.environ.setdefault("TOOLLEDGER_LOG_FORMAT", "text")
 
 
@@ -92,3 +95,36 @@ def effects_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "effects.log"
     monkeypatch.setenv("SERVICE_EFFECTS_FILE", str(path))
     return path
+
+
+# ------------------------------------------------- a ledger filled by real executions
+
+
+@pytest.fixture
+async def filled_ledger(database_url: str, emulator: EmulatorServer, tmp_path: Path) -> FilledLedger:
+    """A ledger of real executions on SQLite and on PostgreSQL (see ledger_fill)."""
+    return await fill_ledger(database_url, emulator, tmp_path)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def shared_ledger(
+    request: pytest.FixtureRequest, emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FilledLedger]:
+    """One filled ledger per database for a whole test module (its tests only read it)."""
+    workdir = tmp_path_factory.mktemp(f"filled-{request.param}")
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
+        migrate.upgrade(url)
+        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
+        return
+    template: PostgresTemplate = request.getfixturevalue("postgres_template")
+    with template.clone() as url:
+        yield asyncio.run(fill_ledger(url, emulator_server, workdir))
+
+
+@pytest.fixture
+def ledger(shared_ledger: FilledLedger, emulator_server: EmulatorServer) -> Ledger:
+    """The module's filled ledger as the calls CLI and the operator views read it."""
+    # emulator_server, not the `emulator` fixture: its reset would forget the session that
+    # still awaits the unknown call.
+    return Ledger(shared_ledger, emulator_server, shared_ledger.database_url)

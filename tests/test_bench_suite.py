@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.databases import require_postgres, server_url
+from tests.support.databases import require_postgres, server_url
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"ceiling", "latency", "peer", "growth", "e2e", "recovery", "memory", "crash"}
+PARTS = {"ceiling", "latency", "peer", "growth", "e2e", "recovery", "memory", "crash", "statements"}
 
 
 @pytest.mark.slow
@@ -55,7 +55,9 @@ def test_benchmarks_quick__every_part_gives_numbers(tmp_path: Path) -> None:
     for figure in document["figures"]:
         assert math.isfinite(figure["toolledger"]), figure
         assert figure["baseline"] is None or math.isfinite(figure["baseline"]), figure
-        assert isinstance(figure["met"], bool), figure
+        # None: an informational figure without a target (the statements part compares ways
+        # of writing, none of them is a goal).
+        assert figure["met"] is None or isinstance(figure["met"], bool), figure
     assert "toolledger benchmarks (quick)" in done.stdout
     # DBOS is not a dependency: without it the peer part says so instead of failing.
     assert set(document["skipped"]) <= {"peer"}

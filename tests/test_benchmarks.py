@@ -19,9 +19,9 @@ import pytest
 from benchmarks.audit import QUERY_NAMES, QUICK_CALLS
 from sqlalchemy.engine import make_url
 
-from tests.databases import require_postgres, server_url
+from tests.support.databases import require_postgres, server_url
+from tests.support.paths import ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 AUDIT_INDEXES = {
     "ix_tool_calls_call_id",
     "ix_tool_calls_status_key",
@@ -36,7 +36,7 @@ FIGURES = r"\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+)\s+(
 def run_benchmark(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.audit", *arguments],
-        cwd=REPO_ROOT,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,

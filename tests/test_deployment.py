@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +19,12 @@ from typing import Any
 import click
 import pytest
 
+from tests.support.paths import ROOT
+from tests.support.polling import eventually_sync
 from toolledger.cli import main
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
 _VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?::[-?](?P<default>[^}]*))?\}")
 
 
@@ -136,16 +136,18 @@ class _Service:
 
 
 def _wait_http(url: str, service: _Service, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answered() -> bool:
         assert service.process.poll() is None, service.log()
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 - loopback
-                if answer.status == 200:
-                    return
+                return bool(answer.status == 200)
         except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} never answered:\n{service.log()}")
+            return False
+
+    eventually_sync(
+        answered, within=timeout, what=lambda: f"{url} never answered:\n{service.log()}", interval=0.2
+    )
 
 
 @pytest.fixture
@@ -202,12 +204,17 @@ def test_compose__commands_run_outside_docker(
         for n in range(compose["services"]["serve"]["deploy"]["replicas"])
     ]
     services.extend(replicas)
-    deadline = time.monotonic() + 40
-    while not all("serving" in replica.log() for replica in replicas):
-        assert time.monotonic() < deadline, [replica.log() for replica in replicas]
+
+    def all_serving() -> bool:
+        if all("serving" in replica.log() for replica in replicas):
+            return True
         for replica in replicas:
             assert replica.process.poll() is None, replica.log()
-        time.sleep(0.2)
+        return False
+
+    eventually_sync(
+        all_serving, within=40, what=lambda: str([replica.log() for replica in replicas]), interval=0.2
+    )
 
     probe = compose["services"]["serve"]["healthcheck"]["test"][2:]
     status = subprocess.run(

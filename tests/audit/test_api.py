@@ -10,7 +10,6 @@ session) compare with the database as it is when they run, never with a remember
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -37,10 +36,13 @@ from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.routing import Mount
 
-from tests.audit.ledger_fill import ROOT, FilledLedger
-from tests.audit.tools import CANARY
-from tests.audit.tools import registry as shop_tools
-from tests.databases import PostgresTemplate
+from tests.support.api_server import ALICE, FULL, READ, READER, api_settings, serving
+from tests.support.databases import PostgresTemplate
+from tests.support.ledger_fill import FilledLedger
+from tests.support.ordering import listing_order
+from tests.support.paths import ROOT
+from tests.support.shop_tools import CANARY
+from tests.support.shop_tools import registry as shop_tools
 from toolledger.audit import api as api_module
 from toolledger.audit.api import OPEN_PATHS, api_server_task, create_app
 from toolledger.audit.auth import ApiConfigurationError, authenticated, may_write
@@ -55,27 +57,11 @@ from toolledger.store.engine import lower_like_postgresql as folded
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import sessions, tool_call_events, tool_calls
 
-ALICE = "alice-full-rights-token-0123"
-READER = "reader-only-token-456789abc"
-TOKENS = {"alice": ALICE}
-READ_TOKENS = {"auditor": READER}
-FULL = {"Authorization": f"Bearer {ALICE}"}
-READ = {"Authorization": f"Bearer {READER}"}
 EVERY = "500"
 """Page size that holds the whole test ledger."""
 
 
 # ---------------------------------------------------------------------------- fixtures
-
-
-def api_settings(database_url: str, base_url: str | None = None, **overrides: Any) -> Settings:
-    return Settings(
-        database_url=database_url,
-        openai_base_url=base_url,
-        api_tokens=TOKENS,
-        api_read_tokens=READ_TOKENS,
-        **overrides,
-    )
 
 
 @dataclass
@@ -89,16 +75,6 @@ class Api:
     def engine(self) -> AsyncEngine:
         engine: AsyncEngine = self.app.state.api.engine
         return engine
-
-
-@contextlib.asynccontextmanager
-async def serving(app: FastAPI, base_url: str = "http://testserver") -> AsyncIterator[httpx.AsyncClient]:
-    """The app with its lifespan (which closes its engine and gateway), and a client for it."""
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url) as client,
-    ):
-        yield client
 
 
 @pytest.fixture
@@ -121,10 +97,6 @@ async def table_counts(engine: AsyncEngine) -> dict[str, int]:
         }
 
 
-def aware(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
 def ids(rows: list[Row[Any]]) -> set[str]:
     return {row.idempotency_key for row in rows}
 
@@ -143,7 +115,7 @@ async def test_list_calls__each_filter_matches_an_oracle(api: Api) -> None:
     rows = await ledger_rows(api.engine)
     assert len(rows) >= 16
     first_session = api.ledger.session_ids[0]
-    created = sorted(aware(r.created_at) for r in rows)
+    created = sorted(r.created_at for r in rows)
     middle = created[len(created) // 2]
     # The same instant spelled in another zone: a filter must compare instants, not digits.
     middle_in_paris = middle.astimezone(timezone(timedelta(hours=2)))
@@ -167,9 +139,9 @@ async def test_list_calls__each_filter_matches_an_oracle(api: Api) -> None:
         ({"q": "l%kup"}, set()),
         ({"since": "1h"}, ids(rows)),
         ({"until": "1h"}, set()),
-        ({"since": middle.isoformat()}, ids([r for r in rows if aware(r.created_at) >= middle])),
-        ({"until": middle.isoformat()}, ids([r for r in rows if aware(r.created_at) < middle])),
-        ({"since": middle_in_paris.isoformat()}, ids([r for r in rows if aware(r.created_at) >= middle])),
+        ({"since": middle.isoformat()}, ids([r for r in rows if r.created_at >= middle])),
+        ({"until": middle.isoformat()}, ids([r for r in rows if r.created_at < middle])),
+        ({"since": middle_in_paris.isoformat()}, ids([r for r in rows if r.created_at >= middle])),
         (
             {"session_id": first_session, "tool": "lookup_order", "effect_class": "read_only"},
             ids([r for r in rows if r.session_id == first_session and r.tool_name == "lookup_order"]),
@@ -197,16 +169,7 @@ async def test_list_calls__cursor_paging_visits_every_call_once_in_order(
 ) -> None:
     rows = [r for r in await ledger_rows(api.engine) if getattr(r, column) is not None]
 
-    def order(row: Row[Any]) -> tuple[Any, ...]:
-        value = getattr(row, column)
-        return (
-            aware(value) if isinstance(value, datetime) else value,
-            row.session_id,
-            row.turn_id,
-            row.call_id,
-        )
-
-    expected = [r.idempotency_key for r in sorted(rows, key=order, reverse=descending)]
+    expected = listing_order(rows, column, descending=descending)
     seen: list[str] = []
     cursor: str | None = None
     pages = 0
@@ -465,7 +428,7 @@ async def test_metrics__ledger_gauges_match_the_ledger(api: Api) -> None:
     async with api.engine.connect() as conn:
         watched = (await conn.execute(select(func.count()).where(sessions.c.watched.is_(True)))).scalar_one()
     assert families["toolledger_watched_sessions"].samples[0].value == watched
-    waiting = [aware(r.finished_at) for r in rows if r.status in ("succeeded", "failed")]
+    waiting = [r.finished_at for r in rows if r.status in ("succeeded", "failed")]
     age = families["toolledger_oldest_unsubmitted_result_age_seconds"].samples[0].value
     if waiting:
         assert age >= (datetime.now(UTC) - min(waiting)).total_seconds() - 5

@@ -13,7 +13,6 @@ import json
 import logging
 import re
 import time
-import traceback
 from collections.abc import AsyncIterator
 from html.parser import HTMLParser
 
@@ -22,7 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 from pydantic import SecretStr
 
-from tests.audit.test_api import (
+from tests.support.api_server import (
     ALICE,
     FULL,
     READ,
@@ -32,12 +31,17 @@ from tests.audit.test_api import (
     api_settings,
     serving,
 )
+from tests.support.calls_cli import add_unknown_call, cli
+from tests.support.shop_tools import registry as shop_tools
 from toolledger.audit.api import create_app
 from toolledger.audit.auth import ApiConfigurationError
+from toolledger.audit.service import ResolveAction
 from toolledger.cli import main
+from toolledger.cli.calls import RESOLVE_MESSAGES
 from toolledger.domain.keys import CallKey
 from toolledger.domain.queries import Cursor
 from toolledger.domain.states import EffectClass
+from toolledger.emulator import EmulatorServer
 from toolledger.settings import Settings
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
@@ -45,6 +49,8 @@ from toolledger.store.ledger import LedgerStore
 BEYOND_INT_PARSING = "9" * 4301 + "h"
 """A duration whose number int() refuses to parse (Python limits it to 4,300 digits)."""
 SCRAPER = "metrics-scraper-token-0123456789"
+CHARGE = {"amount": 1, "card_number": "4242"}
+"""Arguments of an unknown ``charge_card`` call (tests.support.shop_tools)."""
 
 
 def b64(raw: bytes) -> str:
@@ -60,48 +66,6 @@ FORGED_CURSORS: list[tuple[str, dict[str, str]]] = [
     ("bytes outside base64", {"cursor": Cursor("x", CallKey("s", "t", "c")).encode() + "!*", "sort": "tool"}),
     ("too long to be one", {"cursor": "A" * 20_000}),
 ]
-
-
-async def add_unknown_call(url: str, key: CallKey, tool_name: str = "charge_card") -> None:
-    """A call left `unknown` as a dead worker leaves one: recorded and claimed, then its
-    lease expires without a result."""
-    engine = create_engine(url)
-    try:
-        store = LedgerStore(engine, actor="edge-test")
-        recorded = await store.record(
-            key,
-            tool_name=tool_name,
-            arguments={"amount": 1},
-            effect_class=EffectClass.AT_MOST_ONCE,
-            lease_seconds=0.05,
-        )
-        assert recorded.claimed
-        deadline = time.monotonic() + 10
-        while not await store.expire_leases(key):
-            assert time.monotonic() < deadline, f"{key} never expired"
-            await asyncio.sleep(0.05)
-    finally:
-        await engine.dispose()
-
-
-def cli(url: str, *args: str, env: dict[str, str | None] | None = None) -> Result:
-    """`toolledger calls ARGS` in process; a traceback fails the test."""
-    result = CliRunner().invoke(
-        main,
-        ["calls", *args],
-        env={
-            "TOOLLEDGER_DATABASE_URL": url,
-            "TOOLLEDGER_OPENAI_BASE_URL": None,
-            "TOOLLEDGER_OPENAI_API_KEY": None,
-            "COLUMNS": "1000",
-            **(env or {}),
-        },
-    )
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        assert result.exc_info is not None
-        pytest.fail("".join(traceback.format_exception(*result.exc_info)))
-    assert "Traceback" not in result.output
-    return result
 
 
 def refused_in_one_line(result: Result) -> str:
@@ -193,7 +157,7 @@ def test_cli__forged_cursors_exit_2_in_one_line(database_url: str) -> None:
 async def test_bodies_with_a_lone_surrogate__400_and_nothing_recorded(database_url: str) -> None:
     """JSON can spell a lone surrogate; the text it makes can be neither stored nor sent on."""
     key = CallKey("sess_surrogate", "turn_1", "call_1")
-    await add_unknown_call(database_url, key)
+    await add_unknown_call(database_url, key, "charge_card", CHARGE)
     async with serving(create_app(api_settings(database_url))) as client:
         for field, body in (
             ("text", '{"kind": "output", "text": "\\ud800", "reason": "seen"}'),
@@ -260,7 +224,7 @@ async def test_resolve__with_no_agents_api_configured_nothing_is_sent(
     database_url: str, blank: str | None
 ) -> None:
     key = CallKey("sess_nowhere", "turn_1", "call_1")
-    await add_unknown_call(database_url, key)
+    await add_unknown_call(database_url, key, "charge_card", CHARGE)
     settings = Settings(
         database_url=database_url,
         api_tokens=TOKENS,
@@ -286,7 +250,7 @@ async def test_resolve__with_no_agents_api_configured_nothing_is_sent(
 
 def test_cli_resolve__a_blank_key_and_address_are_not_an_agents_api(database_url: str) -> None:
     key = CallKey("sess_blank", "turn_1", "call_1")
-    asyncio.run(add_unknown_call(database_url, key))
+    asyncio.run(add_unknown_call(database_url, key, "charge_card", CHARGE))
     result = cli(
         database_url,
         "resolve",
@@ -303,6 +267,45 @@ def test_cli_resolve__a_blank_key_and_address_are_not_an_agents_api(database_url
     assert report["action"] == "not_sent"
     assert report["call"]["status"] == "succeeded"
     assert report["call"]["submissions"] == 0
+
+
+async def test_resolve_rerun__a_session_that_no_longer_awaits_the_call__told_as_abandoned(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """A re-run whose result the session no longer takes is one of the answers the API
+    documents (it used to pass the executor's own word, `executed`, and fail with a 500)."""
+    key = CallKey("sess_gone_from_the_api", "turn_1", "call_api")
+    await add_unknown_call(database_url, key, "charge_card", CHARGE)
+    app = create_app(api_settings(database_url, emulator.base_url), registry=shop_tools)
+    async with serving(app) as client:
+        body = {"kind": "rerun", "reason": "the PSP has no record of it"}
+        response = await client.post(f"/api/calls/{key}/resolve", json=body, headers=FULL)
+    assert response.status_code == 200, response.text
+    assert response.json()["action"] == "abandoned"
+    assert response.json()["call"]["status"] == "abandoned"
+    assert response.json()["call"]["attempts"] == 2, "the handler ran again here"
+
+    cli_key = CallKey("sess_gone_from_the_api", "turn_1", "call_cli")
+    await add_unknown_call(database_url, cli_key, "charge_card", CHARGE)
+    result = await asyncio.to_thread(
+        cli,
+        database_url,
+        "resolve",
+        str(cli_key),
+        "--rerun",
+        "--reason",
+        "the PSP has no record of it",
+        "--tools",
+        "tests.support.shop_tools:registry",
+        env={"TOOLLEDGER_OPENAI_BASE_URL": emulator.base_url},
+    )
+    assert result.exit_code == 0, result.output
+    assert "the session no longer awaits it" in result.stdout
+    assert "action: abandoned; status: abandoned" in result.stdout
+
+
+def test_resolve_actions__each_has_its_message_in_the_cli() -> None:
+    assert set(RESOLVE_MESSAGES) == {action.value for action in ResolveAction}
 
 
 # ------------------------------------------------------ 5: case folding beyond ASCII

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +27,9 @@ from psycopg import sql
 from schemathesis.python.asgi import shutdown_lifespans
 from sqlalchemy.engine import make_url
 
-from tests.audit.test_api import ALICE, FULL, READ, api_settings, serving
-from tests.databases import PostgresTemplate, server_url
+from tests.support.api_server import ALICE, FULL, READ, api_settings, serving
+from tests.support.databases import PostgresTemplate, server_url
+from tests.support.polling import eventually
 from toolledger.audit.api import create_app
 from toolledger.domain.keys import CallKey
 from toolledger.domain.results import succeeded
@@ -72,10 +72,7 @@ async def _calls_in_every_state(url: str) -> None:
             effect_class=EffectClass.AT_MOST_ONCE,
             lease_seconds=0.05,
         )
-        deadline = time.monotonic() + 10
-        while not await store.expire_leases(unknown):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await eventually(lambda: store.expire_leases(unknown), within=10, what=f"{unknown} expired")
     finally:
         await engine.dispose()
 

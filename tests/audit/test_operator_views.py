@@ -19,16 +19,12 @@ from typing import Any
 import httpx
 from click.testing import CliRunner
 
-from tests.audit import test_calls_cli
-from tests.audit.ledger_fill import ROOT
-from tests.audit.test_calls_cli import Ledger, add_unknown_call, cli, error_line, listed, ok
+from tests.support.calls_cli import Ledger, add_unknown_call, cli, error_line, listed, ok
+from tests.support.paths import ROOT
 from toolledger.audit.api import create_app
 from toolledger.cli import main
 from toolledger.domain.keys import CallKey
 from toolledger.settings import Settings
-
-# The calls CLI's view of the module-wide ledger (tests/audit/conftest.py's shared_ledger).
-ledger = test_calls_cli.ledger
 
 
 def outcome_of_row(row: Any) -> str | None:

@@ -7,7 +7,7 @@ import asyncio
 
 from pydantic import SecretStr
 
-from tests.audit.test_api import FULL, api_settings, serving
+from tests.support.api_server import FULL, api_settings, serving
 from toolledger.audit.api import create_app
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import EffectClass

@@ -3,7 +3,7 @@ other writer: a NUL in it was a 500 on PostgreSQL (SQLite stored it)."""
 
 from __future__ import annotations
 
-from tests.audit.test_api import FULL, api_settings, serving
+from tests.support.api_server import FULL, api_settings, serving
 from toolledger.audit.api import create_app
 from toolledger.store.migrate import upgrade
 

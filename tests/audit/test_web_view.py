@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.audit.ledger_fill import ROOT, FilledLedger, fill_ledger
-from tests.audit.tools import CANARY
-from tests.audit.tools import registry as shop_tools
-from tests.ledger.executor_harness import pending_actions, running_ledger
+from tests.support.executor_harness import pending_actions, running_ledger
+from tests.support.ledger_fill import FilledLedger, fill_ledger
+from tests.support.paths import ROOT
+from tests.support.polling import eventually
+from tests.support.shop_tools import CANARY
+from tests.support.shop_tools import registry as shop_tools
 from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
 
@@ -123,13 +125,14 @@ async def _rows(page: Any) -> list[dict[str, str]]:
 
 
 async def _wait_rows(page: Any, predicate: Any) -> list[dict[str, str]]:
-    deadline = asyncio.get_running_loop().time() + TIMEOUT_MS / 1000
-    while True:
-        rows = await _rows(page)
-        if predicate(rows):
-            return rows
-        assert asyncio.get_running_loop().time() < deadline, rows
-        await asyncio.sleep(0.1)
+    rows: list[dict[str, str]] = []  # the last ones seen (the predicate may want none)
+
+    async def matched() -> bool:
+        rows[:] = await _rows(page)
+        return bool(predicate(rows))
+
+    await eventually(matched, within=TIMEOUT_MS / 1000, what=lambda: repr(rows), interval=0.1)
+    return rows
 
 
 async def test_web_view__lists_filters_opens_and_resolves_an_unknown_call(
@@ -290,7 +293,7 @@ async def test_web_view__rows_stay_one_line_with_whole_ids_at_1024_and_1440(
 async def test_web_view__auto_refresh_shows_a_new_call_without_a_reload(
     page: Any, ledger: FilledLedger
 ) -> None:
-    from tests.audit.test_calls_cli import add_unknown_call
+    from tests.support.calls_cli import add_unknown_call
     from toolledger.domain.keys import CallKey
 
     await _use_token(page, READER)
@@ -393,7 +396,7 @@ def local_api_url(ledger: FilledLedger, tmp_path_factory: pytest.TempPathFactory
 async def test_web_view__without_tokens_the_operator_names_themselves_and_no_dead_lease_shows(
     page: Any, ledger: FilledLedger, local_api_url: str
 ) -> None:
-    from tests.audit.test_calls_cli import add_unknown_call
+    from tests.support.calls_cli import add_unknown_call
     from toolledger.domain.keys import CallKey
 
     stuck = CallKey("sess_web_local", "turn_1", f"call_{uuid.uuid4().hex[:12]}")

@@ -13,7 +13,7 @@ import time
 from openai import AsyncOpenAI
 from openai.types.beta.agent_session import RequiredActionSessionRequiredActionResourceFunctionCall
 
-from tests.service.tools import registry
+from tests.support.service_tools import registry
 from toolledger.runtime.tool_ledger import ToolLedger
 from toolledger.settings import Settings
 

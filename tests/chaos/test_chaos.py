@@ -33,9 +33,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.chaos.waits import KillWaits
-from tests.service.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
-from tests.service.serve_process import ServeProcess
-from tests.service.workload import EVERY_CLASS_CALLS, every_class_script, start_sessions
+from tests.support.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
+from tests.support.serve_process import ServeProcess
+from tests.support.workload import EVERY_CLASS_CALLS, every_class_script, start_sessions
 from toolledger import crashpoints as cp
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.ledger.executor_harness import pending_actions
-from tests.service.serve_process import TOOLS, run_cli
-from tests.service.workload import read_effects
+from tests.support.executor_harness import pending_actions
+from tests.support.serve_process import TOOLS, run_cli
+from tests.support.workload import read_effects
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.emulator import EmulatorServer

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.private_postgres import PrivatePostgres
-from tests.service.history import assert_history, create_refunds_table, wait_quiescent
-from tests.service.serve_process import ServeProcess, run_cli
-from tests.service.workload import every_class_script, start_sessions
+from tests.support.history import assert_history, create_refunds_table, wait_quiescent
+from tests.support.serve_process import ServeProcess, run_cli
+from tests.support.workload import every_class_script, start_sessions
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.store import migrate
 from toolledger.store.engine import create_engine

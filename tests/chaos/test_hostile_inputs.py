@@ -26,7 +26,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.lib.beta.agents import FunctionTool
 
-from tests.ledger.executor_harness import FunctionCallAction, running_ledger, wait_for_actions
+from tests.support.executor_harness import FunctionCallAction, running_ledger, wait_for_actions
 from toolledger.domain.results import OUTPUT_TOO_LARGE_MESSAGE, TOOL_ERROR_MAX_CHARS
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script

@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.service.history import ledger_calls
-from tests.service.serve_process import ServeProcess, run_cli
-from tests.service.workload import read_effects, start_sessions, wait_until_idle
+from tests.support.history import ledger_calls
+from tests.support.polling import eventually, eventually_sync
+from tests.support.serve_process import ServeProcess, run_cli
+from tests.support.workload import read_effects, start_sessions, wait_until_idle
 from toolledger.domain.results import POISON_MESSAGE
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
@@ -62,9 +62,12 @@ async def test_serve__poison_call_of_at_most_once_tool__crashes_once_then_waits_
 
         # Not a fixed sleep then a negative: the service's own word that it looked at the
         # call and chose to wait for an operator (rather than run it again).
-        async with asyncio.timeout(15):
-            while "has an unknown outcome" not in second.log():  # noqa: ASYNC110 - another process's log
-                await asyncio.sleep(0.1)
+        await eventually(
+            lambda: "has an unknown outcome" in second.log(),
+            within=15,
+            what="the service logged that the call has an unknown outcome",
+            interval=0.1,
+        )
         [call] = (await ledger_calls(sqlite_url, [session_id])).values()
         assert call.status is CallStatus.UNKNOWN
         assert f"toolledger calls resolve {call.key}" in second.log()
@@ -76,13 +79,11 @@ async def test_serve__poison_call_of_at_most_once_tool__crashes_once_then_waits_
 
 def _exit_or_quiet(serve: ServeProcess, quiet_after: float) -> int | None:
     """The exit code if the process dies within ``quiet_after`` seconds of serving, else None."""
-    deadline = time.monotonic() + 30.0
-    while "serving:" not in serve.log():
-        if serve.process.poll() is not None:
-            return serve.process.returncode
-        if time.monotonic() > deadline:
-            raise TimeoutError(serve.log())
-        time.sleep(0.05)
+    eventually_sync(
+        lambda: "serving:" in serve.log() or serve.process.poll() is not None, within=30.0, what=serve.log
+    )
+    if "serving:" not in serve.log():
+        return serve.process.returncode
     try:
         return serve.process.wait(timeout=quiet_after)
     except Exception:
@@ -112,7 +113,7 @@ async def test_serve__replica_paused_past_its_leases__is_fenced_out_when_resumed
         ServeProcess(postgres_url, emulator.base_url, tmp_path / "second.log") as second,
     ):
         await asyncio.to_thread(first.wait_serving)
-        await _until(lambda: len(read_effects(effects_file)) == 1)
+        await eventually(lambda: len(read_effects(effects_file)) == 1, within=20.0, what="the tool ran once")
         [first_run] = read_effects(effects_file)
         stopped, other = (first, second) if first_run.pid == first.pid else (second, first)
         await asyncio.to_thread(other.wait_serving)
@@ -154,16 +155,8 @@ async def test_serve__replica_paused_past_its_leases__is_fenced_out_when_resumed
 
 
 async def _until_status(database_url: str, session_id: str, status: CallStatus, within: float = 30.0) -> None:
-    async with asyncio.timeout(within):
-        while True:
-            calls = await ledger_calls(database_url, [session_id])
-            if calls and all(c.status is status for c in calls.values()):
-                return
-            await asyncio.sleep(0.1)
+    async def reached() -> bool:
+        calls = await ledger_calls(database_url, [session_id])
+        return bool(calls) and all(c.status is status for c in calls.values())
 
-
-async def _until(predicate: object, within: float = 20.0) -> None:
-    assert callable(predicate)
-    async with asyncio.timeout(within):
-        while not predicate():  # noqa: ASYNC110 - polling a file another process writes
-            await asyncio.sleep(0.05)
+    await eventually(reached, within=within, what=f"every call of {session_id} {status.value}", interval=0.1)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.history import create_refunds_table, ledger_calls, refund_rows
-from tests.service.workload import EVERY_CLASS_CALLS, every_class_script, read_effects, start_sessions
+from tests.support.history import create_refunds_table, ledger_calls, refund_rows
+from tests.support.paths import ROOT
+from tests.support.workload import EVERY_CLASS_CALLS, every_class_script, read_effects, start_sessions
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
 
-ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = 5
 
 

@@ -22,8 +22,8 @@ from typing import Any
 from openai import AsyncOpenAI
 from openai.types.beta.agent_session import AgentSession
 
-from tests.service.history import FunctionCallAction, ledger_calls
-from tests.service.workload import AT_MOST_ONCE_TOOLS
+from tests.support.history import FunctionCallAction, ledger_calls
+from tests.support.workload import AT_MOST_ONCE_TOOLS
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer

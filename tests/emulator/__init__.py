@@ -1,0 +1,1 @@
+"""The emulator itself: the Agents API it stands in for, over HTTP with the real SDK."""

@@ -10,11 +10,12 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from tests.support.polling import eventually_sync
 
 TOOLLEDGER = Path(sys.executable).with_name("toolledger")
 """The console script `pip install` made from [project.scripts]."""
@@ -31,15 +32,15 @@ def clean_environment() -> dict[str, str]:
 
 
 def wait_healthy(base_url: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    health = base_url.removesuffix("/v1") + "/_emulator/health"
+
+    def healthy() -> bool:
         try:
-            if httpx.get(base_url.removesuffix("/v1") + "/_emulator/health", timeout=1).status_code == 200:
-                return
+            return httpx.get(health, timeout=1).status_code == 200
         except httpx.TransportError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
+            return False
+
+    eventually_sync(healthy, within=timeout, what=f"{health} answered 200", interval=0.05)
 
 
 @contextlib.contextmanager

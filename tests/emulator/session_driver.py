@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import openai
 from openai import OpenAI
 from openai.types.beta.agent_session import (
@@ -14,6 +12,7 @@ from openai.types.beta.agent_session_input_param import (
     SessionInputParamAgentSessionInputToolResult as ToolResultParam,
 )
 
+from tests.support.polling import eventually_sync
 from toolledger.emulator import Script
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
@@ -72,14 +71,18 @@ def submit(
 
 
 def wait_for_status(client: OpenAI, session_id: str, status: str, timeout: float = 5.0) -> AgentSession:
-    deadline = time.monotonic() + timeout
-    while True:
-        session = client.beta.agents.sessions.retrieve(session_id)
-        if session.status == status:
-            return session
-        if time.monotonic() > deadline:
-            raise AssertionError(f"session {session_id} is {session.status}, not {status}")
-        time.sleep(0.01)
+    seen: list[AgentSession] = []  # the last one retrieved
+
+    def reached() -> AgentSession | None:
+        seen[:] = [client.beta.agents.sessions.retrieve(session_id)]
+        return seen[0] if seen[0].status == status else None
+
+    return eventually_sync(
+        reached,
+        within=timeout,
+        what=lambda: f"session {session_id} is {seen[0].status}, not {status}",
+        interval=0.01,
+    )
 
 
 def pending_calls(session: AgentSession) -> list[FunctionCallAction]:

@@ -10,6 +10,7 @@ from openai import OpenAI
 from openai.types.beta.persisted_agent_tool_param import PersistedAgentToolConfigParamFunction
 
 from tests.emulator.processes import emulator_command, toolledger
+from tests.support.paths import ROOT
 from toolledger.emulator import Script
 
 SEND_RECEIPT: PersistedAgentToolConfigParamFunction = {
@@ -125,4 +126,4 @@ def test_help__shows_the_script_format_and_points_to_its_documentation(tmp_path:
     assert "[NAME=]FILE" in result.stdout
     assert '"steps"' in result.stdout
     assert "docs/emulator.md" in result.stdout
-    assert (Path(__file__).resolve().parents[2] / "docs" / "emulator.md").is_file()
+    assert (ROOT / "docs" / "emulator.md").is_file()

@@ -16,16 +16,16 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from openai import OpenAI
 
 from tests.emulator.processes import TOOLLEDGER, clean_environment, emulator_command, running
+from tests.support.paths import ROOT
+from tests.support.polling import eventually_sync
 from toolledger.emulator import EmulatorControl, Script
 
-ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 EMULATOR_DOCS = ROOT / "docs" / "emulator.md"
 API_KEY = "unused"
@@ -100,14 +100,19 @@ def command(line: str, session_id: str) -> tuple[list[str], bool]:
 
 def wait_for_answer(client: OpenAI, control: EmulatorControl, session_id: str, timeout: float = 60.0) -> None:
     """Until the session's turn is over and a tool result was accepted."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        session = client.beta.agents.sessions.retrieve(session_id)
+    status: list[str] = []  # the last one seen
+
+    def answered() -> bool:
+        status[:] = [client.beta.agents.sessions.retrieve(session_id).status]
         accepted = [r for r in control.tool_results(session_id) if r.outcome == "accepted"]
-        if session.status == "idle" and accepted:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"session {session_id} was not answered; it is {session.status}")
+        return status == ["idle"] and bool(accepted)
+
+    eventually_sync(
+        answered,
+        within=timeout,
+        what=lambda: f"session {session_id} was not answered; it is {status[0]}",
+        interval=0.1,
+    )
 
 
 # ----------------------------------------------------------------- the test

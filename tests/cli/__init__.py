@@ -1,0 +1,1 @@
+"""The `toolledger` command as users run it (`src/toolledger/cli`)."""

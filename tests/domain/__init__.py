@@ -1,0 +1,1 @@
+"""The pure rules of `src/toolledger/domain`: keys, delivered calls, the transition catalogue."""

@@ -1,0 +1,1 @@
+"""`src/toolledger/gateway`: what an Agents API answer means, and its event streams."""

@@ -1,0 +1,47 @@
+"""The gateway's event stream against the emulator over HTTP: a stream that carries keep-alive
+comments between events must stay open (a real service sends them on idle streams)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.workload import start_sessions
+from toolledger.emulator import EmulatorServer, Script
+from toolledger.gateway.agents import AgentsGateway
+
+
+@pytest.fixture
+def chatty_emulator() -> Iterator[EmulatorServer]:
+    """An emulator that sends a keep-alive comment after 0.1 s of silence."""
+    with EmulatorServer(keepalive_seconds=0.1) as server:
+        yield server
+
+
+async def test_stream__keep_alives_after_an_event__stream_stays_open(chatty_emulator: EmulatorServer) -> None:
+    # The session asks for one call and then waits: its stream goes silent after the events.
+    (session_id,) = await start_sessions(chatty_emulator, 1, Script.of_calls([("charge", {"amount": 1})]))
+    gateway = AgentsGateway.connect(api_key=None, base_url=chatty_emulator.base_url)
+    try:
+        async with gateway.events(session_id, idle_timeout=10) as events:
+            seen = []
+
+            async def read() -> None:
+                async for event in events:
+                    seen.append(event.type)
+
+            # Long enough for several keep-alives after the session's events: the stream
+            # must still be open (no error, no end) when we stop reading.
+            reader = asyncio.create_task(read())
+            await asyncio.sleep(1.0)
+            assert not reader.done(), (
+                f"the stream ended or failed: {reader.exception() if reader.done() else ''}"
+            )
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        assert seen, "events were delivered before the keep-alives"
+    finally:
+        await gateway.close()

@@ -1,0 +1,1 @@
+"""`src/toolledger/runtime`: the decider, the executor, the service, recovery and crashes."""

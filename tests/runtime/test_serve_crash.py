@@ -1,0 +1,76 @@
+"""`toolledger serve` SIGKILLed at each crash point in the middle of a multi-session
+workload, then restarted: every call ends answered exactly once, or `unknown` where its
+effect class says a second run is not safe; no at_most_once handler ever runs twice."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.support.history import assert_history, create_refunds_table, wait_quiescent
+from tests.support.serve_process import ServeProcess, run_cli
+from tests.support.workload import (
+    every_class_script,
+    start_sessions,
+)
+from toolledger import crashpoints as cp
+from toolledger.emulator import EmulatorServer
+
+SESSIONS = 4
+
+# The n-th time the point is reached: well inside the workload, not at its first call.
+POINTS = {
+    cp.CP_AFTER_CLAIM_COMMIT: 3,
+    cp.CP_INSIDE_HANDLER: 3,
+    cp.CP_AFTER_HANDLER: 3,
+    cp.CP_AFTER_RESULT_COMMIT: 3,
+    cp.CP_SUBMIT_ACCEPTED: 3,
+    cp.CP_AFTER_SUBMIT_RESPONSE: 3,
+    # A session's results that were ready together went out in one request.
+    cp.CP_BATCH_SUBMIT_ACCEPTED: 1,
+    cp.CP_AFTER_BATCH_RESPONSE: 1,
+    # Calls delivered together recorded in one commit; outcomes ready together stored in one.
+    cp.CP_AFTER_BATCH_RECORD: 1,
+    cp.CP_AFTER_BATCH_OUTCOMES: 1,
+    cp.CP_DURING_RECONCILE: 2,
+}
+# PostgreSQL records a batch by one statement of its own (SQLite by a transaction).
+ON_POSTGRES = (cp.CP_INSIDE_HANDLER, cp.CP_AFTER_RESULT_COMMIT, cp.CP_AFTER_BATCH_RECORD)
+
+
+def _cases() -> list[object]:
+    cases: list[object] = [pytest.param("sqlite", p, id=f"sqlite-{p}") for p in POINTS]
+    cases += [pytest.param("postgres", p, id=f"postgresql-{p}") for p in ON_POSTGRES]
+    return cases
+
+
+@pytest.mark.parametrize(("backend", "point"), _cases())
+async def test_serve__sigkilled_at_crash_point_then_restarted__nothing_lost_nothing_repeated(
+    backend: str,
+    point: str,
+    request: pytest.FixtureRequest,
+    emulator: EmulatorServer,
+    effects_file: Path,
+    tmp_path: Path,
+) -> None:
+    database_url: str = request.getfixturevalue(f"{backend}_url")
+    await create_refunds_table(database_url)
+    session_ids = await start_sessions(emulator, SESSIONS, every_class_script())
+    watched = run_cli("sessions", "watch", *session_ids, database_url=database_url)
+    assert watched.returncode == 0, watched.stderr
+
+    with ServeProcess(
+        database_url, emulator.base_url, tmp_path / "serve-1.log", crash_at=f"{point}@{POINTS[point]}"
+    ) as crashing:
+        code = await asyncio.to_thread(crashing.wait_exit, 60.0)
+    assert code == -signal.SIGKILL, f"the crash point was not reached:\n{crashing.log()}"
+    assert f"crash point {point} reached" in crashing.log()
+
+    with ServeProcess(database_url, emulator.base_url, tmp_path / "serve-2.log") as restarted:
+        await asyncio.to_thread(restarted.wait_serving)
+        states = await wait_quiescent(emulator, database_url, session_ids)
+
+    await assert_history(emulator, database_url, session_ids, states, effects_file)

@@ -1,0 +1,1 @@
+"""`src/toolledger/store`: the ledger against real SQLite and PostgreSQL, migrations, liveness."""
