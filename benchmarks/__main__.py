@@ -9,7 +9,8 @@ stored results after a crash), ``memory`` (serve watching many sessions), ``cras
 to answer: serve SIGKILLed holding calls mid-handler and stored results, restarted at once
 with default settings; how long until the model has every answer). ``--quick`` runs every
 part at toy sizes, for CI (a few minutes, most of it the crash part waiting out today's
-leases): it fails on errors, never on timings.
+leases): it fails on errors, never on timings. ``statements`` measures one hot write through
+the store, through SQLAlchemy Core on a held connection, and through psycopg directly.
 
 The PostgreSQL database named by ``--database-url`` (its name must contain "bench") is
 dropped and created again, more than once.
@@ -24,14 +25,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks import crash, ledger_path, service
+from benchmarks import crash, ledger_path, service, statements
 from benchmarks.report import Figure, print_table, write_json
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/toolledger_bench_suite"
 LEDGER_PARTS = {"ceiling", "latency", "peer", "growth"}
 SERVICE_PARTS = {"e2e", "recovery", "memory"}
+STATEMENT_PARTS = {"statements"}
 CRASH_PARTS = {"crash"}
-ALL_PARTS = LEDGER_PARTS | SERVICE_PARTS | CRASH_PARTS
+ALL_PARTS = LEDGER_PARTS | SERVICE_PARTS | CRASH_PARTS | STATEMENT_PARTS
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             ledger_path.run(arguments.database_url, arguments.quick, progress, skipped, arguments.parts)
         )
         figures += [figure for figure in measured if figure.part in arguments.parts]
+    if arguments.parts & STATEMENT_PARTS:
+        figures += asyncio.run(statements.run(arguments.database_url, arguments.quick, progress))
     if arguments.parts & SERVICE_PARTS:
         measured = asyncio.run(
             service.run(arguments.database_url, arguments.quick, progress, skipped, arguments.parts)

@@ -51,10 +51,14 @@ class NoNetworkGateway(AgentsGateway):
     async def submit_tool_result(self, *args: Any, **kwargs: Any) -> None:
         return None
 
+    async def submit_tool_results(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
-def _settings(url: str, concurrency: int) -> Settings:
+
+def _settings(url: str, concurrency: int, batching: bool = True) -> Settings:
     return Settings(
         database_url=url,
+        batching=batching,
         worker_id="bench",
         database_pool_size=max(5, concurrency),
         database_max_overflow=4,
@@ -67,13 +71,16 @@ def fresh_ledger(url: str) -> None:
     migrate.upgrade(url)
 
 
-async def ledger_calls_per_second(url: str, concurrency: int, seconds: float) -> tuple[float, list[float]]:
+async def ledger_calls_per_second(
+    url: str, concurrency: int, seconds: float, *, batching: bool = True
+) -> tuple[float, list[float]]:
     """Calls through ``ToolLedger.handle`` (record+claim, run, store, submit, mark submitted)
-    by ``concurrency`` tasks for ``seconds``; with each call's latency."""
+    by ``concurrency`` tasks for ``seconds``; with each call's latency. ``batching``: writes
+    made at the same moment share commits (the default), or each is a commit of its own."""
     latencies: list[float] = []
     run = uuid.uuid4().hex[:8]
     async with ToolLedger(
-        registry, _settings(url, concurrency), gateway=NoNetworkGateway(), auto_migrate=False
+        registry, _settings(url, concurrency, batching), gateway=NoNetworkGateway(), auto_migrate=False
     ) as ledger:
         # Warm the pool and the statement caches before the clock starts.
         await asyncio.gather(
@@ -272,15 +279,34 @@ async def run(
     fresh_ledger(url)
     ledger_rates: dict[int, float] = {}
     latencies: list[float] = []
+    unbatched_latencies: list[float] = []
     for concurrency in concurrencies:
         rate, measured = await ledger_calls_per_second(url, concurrency, seconds)
         ledger_rates[concurrency] = rate
         if concurrency == 1:
             latencies = measured
+            # A lone call must not get slower for batching: the same path, each write alone.
+            _rate, unbatched_latencies = await ledger_calls_per_second(url, 1, seconds, batching=False)
         if "ceiling" not in parts:
             continue
+        unbatched, _ = await ledger_calls_per_second(url, concurrency, seconds, batching=False)
         database_rate = await asyncio.to_thread(pgbench_calls_per_second, url, concurrency, seconds)
-        progress(f"ledger path at {concurrency}: {rate:,.0f} calls/s; pgbench {database_rate:,.0f}")
+        progress(
+            f"ledger path at {concurrency}: {rate:,.0f} calls/s batched, {unbatched:,.0f} unbatched; "
+            f"pgbench {database_rate:,.0f}"
+        )
+        figures.append(
+            Figure(
+                "ceiling",
+                f"ledger path, {concurrency} at once, each write alone",
+                "calls/s",
+                unbatched,
+                database_rate,
+                "pgbench",
+                "(baseline of batching)",
+                None,
+            )
+        )
         figures.append(
             Figure(
                 "ceiling",
@@ -322,6 +348,19 @@ async def run(
             added_p99 <= 10.0,
         )
     )
+    for name, quantile in (("p50", 0.5), ("p99", 0.99)):
+        figures.append(
+            Figure(
+                "latency",
+                f"added {name}, each write alone",
+                "ms",
+                (percentile(unbatched_latencies, quantile) - percentile(direct, quantile)) * 1000,
+                percentile(direct, quantile) * 1000,
+                "ms without",
+                "(baseline of batching)",
+                None,
+            )
+        )
 
     # 7. A peer: DBOS, one workflow of one step per call, same concurrency, same server.
     if importlib.util.find_spec("dbos") is None:
