@@ -56,6 +56,14 @@ class WriteBatcher(Generic[Item, Result]):
                 future.cancel()
             self._queued = []
             raise
+        finally:
+            # Not left to the done callback: that runs a loop turn later, after the callers
+            # this flush just answered, and a caller writing again at once would find every
+            # flush "busy", queue behind a flush that has already looked for the last time,
+            # and wait until some other write came along (forever, on a quiet ledger).
+            task = asyncio.current_task()
+            if task is not None:
+                self._flushing.discard(task)
 
     async def _run(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
         results: Sequence[Result | BaseException]
