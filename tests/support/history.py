@@ -54,8 +54,8 @@ async def ledger_calls(database_url: str, session_ids: list[str]) -> dict[CallKe
 async def wait_quiescent(
     emulator: EmulatorServer, database_url: str, session_ids: list[str], within: float = 40.0
 ) -> dict[str, str]:
-    """Every session is idle, or waits only on calls the ledger holds as `unknown` (an
-    at_most_once call cut off mid-run: an operator's to settle). Returns session -> state."""
+    """Every session is idle, or waits only on at_most_once calls the ledger holds as
+    `unknown` (cut off mid-run: an operator's to settle). Returns session -> state."""
     slots = asyncio.Semaphore(32)  # thousands of sessions: don't swamp the emulator
     # What the last look saw: for the result, and for the message if the time runs out.
     sessions: list[AgentSession] = []
@@ -90,7 +90,15 @@ async def wait_quiescent(
                     for a in session.required_actions
                     if isinstance(a, FunctionCallAction)
                 ]
-                stuck = [k for k in listed if k in calls and calls[k].status is CallStatus.UNKNOWN]
+                # Only an at_most_once call stays `unknown`: any other is there for a moment,
+                # between its lease expiring and the service running it again.
+                stuck = [
+                    k
+                    for k in listed
+                    if k in calls
+                    and calls[k].status is CallStatus.UNKNOWN
+                    and calls[k].tool_name in AT_MOST_ONCE_TOOLS
+                ]
                 others = [k for k in listed if k not in stuck]
                 # Every other call of the session must be written down as submitted too: the
                 # API may have accepted one a moment ago while the service has yet to mark it.
