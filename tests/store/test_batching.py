@@ -36,9 +36,7 @@ async def test_a_write_made_as_soon_as_the_last_one_returns_is_flushed(flushes: 
     async def write_twice(first: int) -> tuple[int, int]:
         return await batcher.add(first), await batcher.add(first + 1)
 
-    results = await asyncio.wait_for(
-        asyncio.gather(*(write_twice(n * 100) for n in range(flushes))), WAIT
-    )
+    results = await asyncio.wait_for(asyncio.gather(*(write_twice(n * 100) for n in range(flushes))), WAIT)
 
     assert results == [(n * 1000, n * 1000 + 10) for n in range(flushes)]
 
