@@ -71,3 +71,18 @@ async def test_service__a_completed_turn__its_results_confirmed_from_the_event_a
 
     turns = [r for r in caplog.records if "completed: {'confirmed': 2}" in r.getMessage()]
     assert len(turns) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_reconcile_session__counts_what_it_did_by_plain_names(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    # The counts go into the log line and the JSON summary as they are: words, not enum reprs.
+    registry = ToolRegistry()
+    registry.tool(name="ping", effect="read_only")(lambda: "pong")
+    session_id, _actions = await pending_actions(emulator, [("ping", {}), ("ping", {})])
+
+    async with running_ledger(registry, database_url, emulator) as ledger:
+        reconciler = Reconciler(ledger.executor, ledger.gateway, SessionStore(ledger.engine))
+        result = await reconciler.reconcile_session(session_id)
+
+    assert {repr(action): n for action, n in result.actions.items()} == {"'executed'": 2}

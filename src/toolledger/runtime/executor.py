@@ -185,7 +185,7 @@ class Executor:
         report.expired = len(await self.store.expire_leases(gone_owners=await self.gone_owners()))
         crash_point(CP_DURING_RECOVERY)
         for call in await self.store.in_states([CallStatus.UNKNOWN, CallStatus.PENDING]):
-            report.actions[(await self._continue(call)).action] += 1
+            report.actions[(await self._continue(call)).action.value] += 1
         for call in await self.store.in_states(RESULT_STATUSES):
             outcome = await self.submit(call)
             report.actions["resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"] += 1

@@ -242,7 +242,7 @@ class Reconciler:
             *(self._run_call(k.session_id, a, result.known.get(k)) for k, a in listed.items())
         )
         for report in reports:
-            result.actions[report.action if report is not None else "shutting_down"] += 1
+            result.actions[report.action.value if report is not None else "shutting_down"] += 1
             if report is not None:
                 result.retry_after(report.retry_in)
 
