@@ -417,8 +417,8 @@ async def test_service__a_turns_parallel_results_go_out_in_one_request_a_lone_on
     database_url: str, emulator: EmulatorServer, effects_file: Path
 ) -> None:
     """The turn continues only once it has every result, so the results of its calls that run
-    here together are sent together, however long each handler takes; the next step's lone
-    call is sent at once, under its own key."""
+    here together are sent together when their handlers end within a moment of each other
+    (``SIBLING_WAIT_SECONDS``); the next step's lone call is sent at once, under its own key."""
     script = Script.of_calls(
         [("notify", {"message": m, "pause_ms": ms}) for m, ms in (("a", 0), ("b", 150), ("c", 300))],
         [("lookup", {"order_id": "A1"})],
@@ -435,3 +435,37 @@ async def test_service__a_turns_parallel_results_go_out_in_one_request_a_lone_on
     assert parallel[0].idempotency_key is not None
     assert parallel[0].idempotency_key.startswith("tlb_")
     assert lone.idempotency_key == CallKey(session_id, lone.turn_id, lone.call_id).idempotency_key
+
+
+async def test_service__a_slow_tool__its_sessions_ready_results_do_not_hold_every_slot(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    # Two handler slots. Session A: one slow call and two quick ones; the quick ones' results
+    # wait a moment (SIBLING_WAIT_SECONDS) to go in one request with the slow one's, then go
+    # without it. Were they to wait for it, they would hold both slots until it finished, and
+    # B's call could not run.
+    slow = Script.of_calls(
+        [
+            ("notify", {"message": "slow", "pause_ms": 8000}),
+            ("notify", {"message": "a1"}),
+            ("notify", {"message": "a2"}),
+        ]
+    )
+    async with running_service(database_url, emulator, max_concurrent_calls=2) as service:
+        [session_a] = await start_sessions(emulator, 1, slow)
+        await watch_all(service, [session_a])
+
+        async def slow_running() -> bool:
+            calls = await ledger_calls(database_url, [session_a])
+            return any(c.status is CallStatus.RUNNING for c in calls.values())
+
+        await eventually(slow_running, within=10.0, what=lambda: "the slow call never started")
+        [session_b] = await start_sessions(emulator, 1, Script.of_calls([("notify", {"message": "b"})]))
+        await watch_all(service, [session_b])
+        await wait_until_idle(emulator, [session_b], within=6.0)
+
+        calls = await ledger_calls(database_url, [session_a])
+        by_message = {json.loads(c.arguments)["message"]: c.status for c in calls.values()}
+        assert by_message["slow"] is CallStatus.RUNNING, "B was answered before A's slow call ended"
+        assert by_message["a1"] is by_message["a2"] is CallStatus.SUBMITTED
+        await wait_until_idle(emulator, [session_a], within=20.0)

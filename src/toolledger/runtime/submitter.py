@@ -31,6 +31,11 @@ from toolledger.tracing import call_span
 
 log = logging.getLogger("toolledger.executor")
 
+SIBLING_WAIT_SECONDS = 1.0
+"""How long a session's ready results wait for its calls still running here, to go in one
+request with theirs. Bounded: the waiting results and their sender hold handler slots (the
+call runner's), so a slow tool would otherwise hold its siblings, and with enough such
+sessions every slot of the process, until it finished."""
 SUBMIT_RETRY_FIRST = 1.0
 SUBMIT_RETRY_MAX = 30.0
 
@@ -66,8 +71,9 @@ class Submitter:
     def follow_running(self, running: Callable[[str], Collection[CallKey]]) -> None:
         """``running(session)``: the session's calls being handled in this process now (the
         call runner's). A request waits for those to have their results ready (or to be done
-        without one): the session's turn continues only once it has every result, so its
-        calls' results go together (``running_finished`` says when one is done)."""
+        without one), up to ``SIBLING_WAIT_SECONDS``: the session's turn continues only once
+        it has every result, so its calls' results go together (``running_finished`` says
+        when one is done)."""
         self._running = running
 
     async def running_finished(self, session_id: str) -> None:
@@ -119,8 +125,12 @@ class Submitter:
             # those of its calls still running here (see follow_running).
             await asyncio.sleep(0)
             async with queue.changed:
-                while self._still_running(session_id, queue):
-                    await queue.changed.wait()
+                try:
+                    async with asyncio.timeout(SIBLING_WAIT_SECONDS):
+                        while self._still_running(session_id, queue):
+                            await queue.changed.wait()
+                except TimeoutError:
+                    pass  # a sibling still running goes in a later request of its own
                 batch, queue.waiting = queue.waiting, []
             await self._send(session_id, batch)
         except BaseException as error:
