@@ -193,6 +193,9 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
         calls = document["paths"]["/api/calls"]["get"]["parameters"]
         limit = next(p for p in calls if p["name"] == "limit")["schema"]
         assert (limit["minimum"], limit["maximum"]) == (1, 500)
+        # Not "array or null": schemathesis would send a tool named "false" as another type.
+        tool = next(p for p in calls if p["name"] == "tool")["schema"]
+        assert (tool["type"], "anyOf" in tool) == ("array", False)
         assert "405" in document["paths"]["/api/calls/{ref}"]["get"]["responses"]
         body = document["paths"]["/api/calls/{ref}/resolve"]["post"]["requestBody"]["content"]
         variants = body["application/json"]["schema"]["oneOf"]

@@ -421,7 +421,9 @@ def _text_filter(description: str, max_length: int = MAX_FILTER_CHARS) -> Any:
 async def call_filters(
     session_id: Annotated[str | None, _text_filter("Session id; empty: any.")] = None,
     turn_id: Annotated[str | None, _text_filter("Turn id; empty: any.")] = None,
-    tool: Annotated[list[_ToolName] | None, Query(description="Tool name (repeatable).")] = None,
+    # A plain array, not "array or null": a query carries only strings, and a tool may be
+    # named "false" or "null", which a schema allowing null would call another type.
+    tool: Annotated[list[_ToolName], Query(description="Tool name (repeatable).")] = [],  # noqa: B006 - FastAPI copies it
     status: Annotated[
         list[str] | None,
         Query(
