@@ -340,10 +340,11 @@ class Service:
         elif excess < 0 and not self._stopping:
             acquired = await sessions.acquire(self.replica_id, -excess, lease)
             if len(acquired) > 1:
-                # Sessions with calls still open first: after a restart with many watched
-                # sessions, their reconciles (queued, a few at a time) come before idle ones'.
-                open_now = set(await sessions.with_open_calls())
-                acquired = dict(sorted(acquired.items(), key=lambda item: item[0] not in open_now))
+                # Sessions with calls to move on first: after a restart with many watched
+                # sessions, their reconciles (queued, a few at a time) come before those of
+                # idle sessions and of sessions waiting only for an operator.
+                movable = set(await sessions.with_work())
+                acquired = dict(sorted(acquired.items(), key=lambda item: item[0] not in movable))
             for session_id, token in acquired.items():
                 self._leases[session_id] = token
                 self._followers[session_id] = asyncio.create_task(

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
+from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
@@ -266,6 +267,21 @@ class SessionStore:
         """Sessions with a call the session may still be waiting on (the recovery scan)."""
         async with self.engine.connect() as conn:
             rows = await conn.execute(select(tool_calls.c.session_id).where(open_call_clause()).distinct())
+            return [row.session_id for row in rows]
+
+    async def with_work(self) -> list[str]:
+        """Sessions with an open call toolledger can move on now: ``with_open_calls`` less the
+        sessions whose only open calls are at_most_once calls left ``unknown``, which wait for
+        an operator (or for their deadline, which wakes them). A restart reconciles these
+        first; the ones waiting for an operator, piling up over time, would otherwise come
+        ahead of every session with a result to deliver, on every restart."""
+        waits_for_operator = and_(
+            tool_calls.c.status == CallStatus.UNKNOWN.value,
+            tool_calls.c.effect_class == EffectClass.AT_MOST_ONCE.value,
+        )
+        movable = and_(open_call_clause(), ~waits_for_operator)
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(tool_calls.c.session_id).where(movable).distinct())
             return [row.session_id for row in rows]
 
 
