@@ -469,3 +469,48 @@ async def test_service__a_slow_tool__its_sessions_ready_results_do_not_hold_ever
         assert by_message["slow"] is CallStatus.RUNNING, "B was answered before A's slow call ended"
         assert by_message["a1"] is by_message["a2"] is CallStatus.SUBMITTED
         await wait_until_idle(emulator, [session_a], within=20.0)
+
+
+async def test_service__a_restart_with_many_watched_sessions__opens_their_streams_a_few_at_a_time(
+    database_url: str, emulator: EmulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # All opened at once, a thousand streams kept every session's first reconcile waiting for
+    # tens of seconds; taken in turn (those with calls to move on first), answers go out first.
+    from contextlib import asynccontextmanager
+
+    from toolledger.gateway.agents import AgentsGateway
+    from toolledger.runtime import service as service_module
+
+    opening = most = opened = 0
+    real_events = AgentsGateway.events
+
+    @asynccontextmanager
+    async def counted(self: AgentsGateway, session_id: str, *, idle_timeout: float) -> Any:
+        nonlocal opening, most, opened
+        opening += 1
+        most = max(most, opening)
+        stream = real_events(self, session_id, idle_timeout=idle_timeout)
+        try:
+            events = await stream.__aenter__()
+        finally:
+            opening -= 1
+        opened += 1
+        try:
+            yield events
+        finally:
+            await stream.__aexit__(None, None, None)
+
+    monkeypatch.setattr(AgentsGateway, "events", counted)
+    session_ids = await start_sessions(
+        emulator, 3 * service_module.STREAMS_OPENING_AT_ONCE, Script.of_calls()
+    )
+    engine = create_engine(database_url)
+    try:
+        await SessionStore(engine).watch_new(session_ids)
+    finally:
+        await engine.dispose()
+
+    async with running_service(database_url, emulator):
+        await eventually(lambda: opened >= len(session_ids), within=20.0, what=lambda: f"{opened} opened")
+
+    assert 1 < most <= service_module.STREAMS_OPENING_AT_ONCE
