@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.errors import ToolLedgerError
+from toolledger.gateway.agents import AgentsGateway
+from toolledger.runtime import service as service_module
 from toolledger.runtime.service import Service
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
@@ -476,11 +479,6 @@ async def test_service__a_restart_with_many_watched_sessions__opens_their_stream
 ) -> None:
     # All opened at once, a thousand streams kept every session's first reconcile waiting for
     # tens of seconds; taken in turn (those with calls to move on first), answers go out first.
-    from contextlib import asynccontextmanager
-
-    from toolledger.gateway.agents import AgentsGateway
-    from toolledger.runtime import service as service_module
-
     opening = most = opened = 0
     real_events = AgentsGateway.events
 

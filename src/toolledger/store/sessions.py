@@ -17,6 +17,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
@@ -265,9 +266,7 @@ class SessionStore:
 
     async def with_open_calls(self) -> list[str]:
         """Sessions with a call the session may still be waiting on (the recovery scan)."""
-        async with self.engine.connect() as conn:
-            rows = await conn.execute(select(tool_calls.c.session_id).where(open_call_clause()).distinct())
-            return [row.session_id for row in rows]
+        return await self._sessions_with_calls(open_call_clause())
 
     async def with_work(self) -> list[str]:
         """Sessions with an open call toolledger can move on now: ``with_open_calls`` less the
@@ -279,9 +278,11 @@ class SessionStore:
             tool_calls.c.status == CallStatus.UNKNOWN.value,
             tool_calls.c.effect_class == EffectClass.AT_MOST_ONCE.value,
         )
-        movable = and_(open_call_clause(), ~waits_for_operator)
+        return await self._sessions_with_calls(and_(open_call_clause(), ~waits_for_operator))
+
+    async def _sessions_with_calls(self, matching: ColumnElement[bool]) -> list[str]:
         async with self.engine.connect() as conn:
-            rows = await conn.execute(select(tool_calls.c.session_id).where(movable).distinct())
+            rows = await conn.execute(select(tool_calls.c.session_id).where(matching).distinct())
             return [row.session_id for row in rows]
 
 
