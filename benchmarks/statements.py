@@ -1,8 +1,9 @@
 """One hot write (marking a stored result submitted, with its audit event: one statement on
-PostgreSQL) three ways in the same run: through the store as every call does (a pooled
-connection per write, SQLAlchemy Core), SQLAlchemy Core on a connection held throughout, and
-psycopg directly with the same SQL, prepared. What each layer costs per statement, for
-choosing the hot path (issue 17: "measure SQLAlchemy Core against psycopg directly")."""
+PostgreSQL) three ways in the same run: through the store as every call does (a connection
+from SQLAlchemy's pool per write, the statement prepared on its psycopg connection:
+``store.prepared``), SQLAlchemy Core executing the same statement on a connection held
+throughout, and psycopg directly on a connection of its own, prepared. What each layer costs
+per statement (issue 17: "measure SQLAlchemy Core against psycopg directly")."""
 
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ async def run(url: str, quick: bool, progress: Progress) -> list[Figure]:
         store_ms = (time.perf_counter() - started) / count * 1000
 
         sources = tuple(sorted(s.value for s in SUBMIT.sources))
-        statement = store._statement(
-            (SUBMIT.name, SUBMIT.target, sources), lambda: store._build_change(SUBMIT, sources)
-        )
+        statement = store._build_change(SUBMIT, sources)
         async with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
             started = time.perf_counter()
             for key in held:

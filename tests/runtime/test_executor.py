@@ -15,6 +15,7 @@ from tests.support.executor_harness import current_actions, pending_actions, run
 from toolledger.domain import delivered as delivered_module
 from toolledger.domain import keys
 from toolledger.domain.keys import CallKey
+from toolledger.domain.records import Recorded
 from toolledger.domain.results import (
     FAILED_MESSAGE,
     OUTPUT_FAILED_MESSAGE,
@@ -210,8 +211,16 @@ async def test_handle__a_stored_result_in_the_reconcilers_snapshot__is_sent_with
         )
         stored = await ledger.store.complete(key, recorded.call.lease_token, succeeded(key, "sent earlier"))
         known = stored if snapshot_matches else replace(stored, arguments_sha256="0" * 64)
-        statements: list[str] = []
-        event.listen(ledger.engine.sync_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        # The store's own record(), watched (it still writes): on PostgreSQL the hot statements
+        # run on psycopg directly, out of SQLAlchemy's statement events.
+        recording = ledger.store.record
+        records: list[CallKey] = []
+
+        async def watched_record(key: CallKey, **given: Any) -> Recorded:
+            records.append(key)
+            return await recording(key, **given)
+
+        ledger.store.record = watched_record  # type: ignore[method-assign]
         report = await ledger.executor.handle(session_id, action, known)
         after = await ledger.store.get(key)
 
@@ -220,7 +229,7 @@ async def test_handle__a_stored_result_in_the_reconcilers_snapshot__is_sent_with
     assert [p["output"] for p in accepted_payloads(emulator, session_id)] == ["sent earlier"]
     assert after is not None
     assert after.status is CallStatus.SUBMITTED
-    recorded_again = any("INSERT INTO tool_calls" in s for s in statements)
+    recorded_again = records == [key]
     # A snapshot whose arguments differ from the delivery proves nothing: the call is recorded
     # (and its arguments compared) as usual.
     assert recorded_again is not snapshot_matches

@@ -15,7 +15,7 @@ the reads) is written here once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -363,7 +363,7 @@ class LedgerStore:
         """A submitted call still awaited was sent again and accepted again: count it (and say
         so in the audit trail). Returns how many times the call has been submitted."""
         row = await self._note(RESUBMISSION, key, {}, "accepted again; still awaited")
-        return 0 if row is None else int(row.submission_count)
+        return 0 if row is None else int(row["submission_count"])
 
     async def record_submission_failure(self, key: CallKey, error: str) -> None:
         await self._note(SUBMISSION_FAILURE, key, {"p_error": self.redactor.text(error)}, error)
@@ -555,9 +555,11 @@ class LedgerStore:
         with its audit event; None when it is in none of them (or changed under us)."""
         raise NotImplementedError
 
-    async def _note(self, note: Note, key: CallKey, params: dict[str, Any], reason: str) -> Any:
+    async def _note(
+        self, note: Note, key: CallKey, params: dict[str, Any], reason: str
+    ) -> Mapping[str, Any] | None:
         """Run ``note``'s UPDATE on the call and, if it changed the row, its audit event.
-        The row it returned, or None."""
+        Its returned columns by name, or None."""
         raise NotImplementedError
 
     # ------------------------------------------------------------- shared parts

@@ -3,19 +3,20 @@
 A data-modifying CTE (``WITH changed AS (UPDATE ... RETURNING ...) INSERT INTO events SELECT
 ... FROM changed``) is one round trip and one commit instead of BEGIN, a read, the write, the
 event and COMMIT: that is most of the ledger's cost per call (DESIGN.md, "Performance
-facts"). Each statement is built once per shape (building a CTE costs more than running it).
+facts"). Each statement is built once per shape (building a CTE costs more than running it)
+and runs prepared on psycopg (``store.prepared``): SQLAlchemy's own execution of it cost as
+much client CPU as PostgreSQL spent running it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import cached_property
 from typing import Any
 
 from sqlalchemy import (
     CTE,
-    Row,
     Select,
     String,
     Text,
@@ -40,6 +41,7 @@ from toolledger.domain.states import RECORD, SUBMIT, CallStatus, Transition
 from toolledger.errors import TransitionError
 from toolledger.store.engine import is_transient, utc_now
 from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log
+from toolledger.store.prepared import PreparedStatement
 from toolledger.store.rows import call_record
 from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
 from toolledger.store.transitions import (
@@ -81,28 +83,22 @@ class PostgresLedger(LedgerStore):
     async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
         if not keys:
             return set()
-        statement = self._statement(("mark_confirmed_many",), self._build_confirm_many)
-        params = {
-            "p_keys": [(k.session_id, k.turn_id, k.call_id) for k in keys],
-            **self._event_params("left required_actions"),
-        }
+        statement = self._prepared(("mark_confirmed_many",), self._build_confirm_many)
+        params = {**_key_arrays(keys), **self._event_params("left required_actions")}
         async with self._autocommit.connect() as conn:
-            rows = (await conn.execute(statement, params)).all()
-        return {CallKey(r.session_id, r.turn_id, r.call_id) for r in rows}
+            rows = await statement.rows(conn, params)
+        return {_key(row) for row in rows}
 
     async def mark_submitted_many(
         self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
     ) -> set[CallKey]:
         if not keys:
             return set()
-        statement = self._statement(("mark_submitted_many",), lambda: self._build_change_many(SUBMIT))
-        params = {
-            "p_keys": [(k.session_id, k.turn_id, k.call_id) for k in keys],
-            **self._event_params(reason),
-        }
+        statement = self._prepared(("mark_submitted_many",), lambda: self._build_change_many(SUBMIT))
+        params = {**_key_arrays(keys), **self._event_params(reason)}
         async with self._autocommit.connect() as conn:
-            rows = (await conn.execute(statement, params)).all()
-        return {CallKey(r.session_id, r.turn_id, r.call_id) for r in rows}
+            rows = await statement.rows(conn, params)
+        return {_key(row) for row in rows}
 
     def _writing(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
         # Durability is the statement's own business here (``_with_event``): in autocommit it
@@ -113,12 +109,12 @@ class PostgresLedger(LedgerStore):
         return self.engine.begin()
 
     async def _record_new(self, new: NewCall) -> Recorded:
-        statement = self._statement((RECORD.name,), self._build_record)
+        statement = self._prepared((RECORD.name,), self._build_record)
         values = {**new.params, **self._event_params(RECORDED_REASON, new.detail)}
         async with self._autocommit.connect() as conn:
-            row = (await conn.execute(statement, values)).first()
-        if row is not None:
-            return Recorded(call=call_record(row), claimed=True)
+            rows = await statement.rows(conn, values)
+        if rows:
+            return Recorded(call=call_record(rows[0]), claimed=True)
         async with self.engine.begin() as conn:
             return await self._already_recorded(conn, new.key, new.fingerprint)
 
@@ -130,7 +126,7 @@ class PostgresLedger(LedgerStore):
         first: dict[CallKey, NewCall] = {}
         for new in news:
             first.setdefault(new.key, new)
-        statement = self._statement(("record_many",), self._build_record_many)
+        statement = self._prepared(("record_many",), self._build_record_many)
         values = {
             **{f"a_{name}": [_row_value(name, new) for new in first.values()] for name in _RECORD_ROW},
             "p_lease_seconds": next(iter(first.values())).params["p_lease_seconds"],
@@ -139,7 +135,7 @@ class PostgresLedger(LedgerStore):
         }
         try:
             async with self._autocommit.connect() as conn:
-                rows = (await conn.execute(statement, values)).all()
+                rows = await statement.rows(conn, values)
         except Exception as error:
             if is_transient(error):
                 raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
@@ -169,15 +165,17 @@ class PostgresLedger(LedgerStore):
         detail: str | None = None,
     ) -> CallRecord | None:
         allowed = tuple(sorted(s.value for s in sources))
-        statement = self._statement(
+        statement = self._prepared(
             (transition.name, transition.target, allowed), lambda: self._build_change(transition, allowed)
         )
         values = {**params, **key_params(key), **self._event_params(reason, detail)}
-        row = (await conn.execute(statement, values)).first()
-        return None if row is None else call_record(row)
+        rows = await statement.rows(conn, values)
+        return call_record(rows[0]) if rows else None
 
-    async def _note(self, note: Note, key: CallKey, params: dict[str, Any], reason: str) -> Row[Any] | None:
-        statement = self._statement(
+    async def _note(
+        self, note: Note, key: CallKey, params: dict[str, Any], reason: str
+    ) -> Mapping[str, Any] | None:
+        statement = self._prepared(
             (note.name,),
             lambda: self._with_event(
                 note.update(KEY_MATCH).cte("changed"), note.event, note.status, note.status, with_token=False
@@ -185,8 +183,11 @@ class PostgresLedger(LedgerStore):
         )
         async with self._autocommit.connect() as conn:
             values = {**params, **key_params(key), **self._event_params(reason)}
-            noted: Row[Any] | None = (await conn.execute(statement, values)).first()
-            return noted
+            rows = await statement.rows(conn, values)
+            return rows[0] if rows else None
+
+    def _prepared(self, shape: Hashable, build: Callable[[], Select[Any]]) -> PreparedStatement:
+        return self._statement(shape, lambda: PreparedStatement(build(), self.engine.dialect))  # type: ignore[no-any-return]
 
     # -------------------------------------------------------------- statements
 
@@ -295,7 +296,7 @@ class PostgresLedger(LedgerStore):
         locked = (
             select(*KEY_COLUMNS, tool_calls.c.status.label("from_status"))
             .where(
-                tuple_(*KEY_COLUMNS).in_(bindparam("p_keys", expanding=True)),
+                _KEY_IN_ARRAYS,
                 tool_calls.c.status.in_(allowed),
             )
             .with_for_update()
@@ -319,7 +320,7 @@ class PostgresLedger(LedgerStore):
         )
 
     def _build_confirm_many(self) -> Select[Any]:
-        confirmed = CONFIRM.update(tuple_(*KEY_COLUMNS).in_(bindparam("p_keys", expanding=True)))
+        confirmed = CONFIRM.update(_KEY_IN_ARRAYS)
         return self._with_event(
             confirmed.cte("changed"), CONFIRM.event, CONFIRM.status, CONFIRM.status, with_token=False
         )
@@ -388,6 +389,30 @@ def _row_value(name: str, new: NewCall) -> str | None:
     value = new.params[name]
     # An array's elements skip the column type's bind processing: StorableText's rule here.
     return storable_text(value) if name == "p_arguments" else value
+
+
+_KEY_IN_ARRAYS = tuple_(*KEY_COLUMNS).in_(
+    select(
+        *(
+            func.unnest(bindparam(f"a_{name}", type_=ARRAY(Text)))
+            for name in ("k_session_id", "k_turn_id", "k_call_id")
+        )
+    )
+)
+"""The calls whose keys are the elements of the array parameters ``a_k_session_id``,
+``a_k_turn_id`` and ``a_k_call_id`` (one fixed text for any number of calls: preparable)."""
+
+
+def _key_arrays(keys: Sequence[CallKey]) -> dict[str, list[str]]:
+    return {
+        "a_k_session_id": [k.session_id for k in keys],
+        "a_k_turn_id": [k.turn_id for k in keys],
+        "a_k_call_id": [k.call_id for k in keys],
+    }
+
+
+def _key(row: Mapping[str, Any]) -> CallKey:
+    return CallKey(row["session_id"], row["turn_id"], row["call_id"])
 
 
 def _status_sql(status: ColumnElement[Any] | CallStatus | None) -> ColumnElement[Any]:

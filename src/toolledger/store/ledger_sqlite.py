@@ -8,12 +8,12 @@ aiosqlite can otherwise drop a connection with its write lock held.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import cached_property
 from typing import Any
 
-from sqlalchemy import Row, String, bindparam, select
+from sqlalchemy import String, bindparam, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -120,13 +120,15 @@ class SqliteLedger(LedgerStore):
         )
         return call
 
-    async def _note(self, note: Note, key: CallKey, params: dict[str, Any], reason: str) -> Row[Any] | None:
+    async def _note(
+        self, note: Note, key: CallKey, params: dict[str, Any], reason: str
+    ) -> Mapping[str, Any] | None:
         update = self._statement((note.name,), lambda: note.update(KEY_MATCH))
         async with self._transaction() as conn:
-            row: Row[Any] | None = (await conn.execute(update, {**params, **key_params(key)})).first()
+            row = (await conn.execute(update, {**params, **key_params(key)})).first()
             if row is not None:
                 await self._event(conn, key, note.event, note.status, note.status, None, reason)
-            return row
+            return None if row is None else dict(row._mapping)
 
 
 async def _synchronous(conn: AsyncConnection, level: str) -> None:
