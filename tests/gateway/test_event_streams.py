@@ -1,5 +1,6 @@
 """The gateway's event stream against the emulator over HTTP: a stream that carries keep-alive
-comments between events must stay open (a real service sends them on idle streams)."""
+comments between events must stay open (a real service sends them on idle streams); each event
+is built as the variant its type names, its calls as function calls."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from openai.types.beta import AgentSessionRequiresActionEvent
 
 from tests.support.workload import start_sessions
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.gateway.agents import AgentsGateway
+from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 
 
 @pytest.fixture
@@ -45,3 +47,22 @@ async def test_stream__keep_alives_after_an_event__stream_stays_open(chatty_emul
         assert seen, "events were delivered before the keep-alives"
     finally:
         await gateway.close()
+
+
+async def test_stream__each_event_is_the_variant_its_type_names(emulator: EmulatorServer) -> None:
+    """Built from its discriminator, not validated against every variant of the union: what
+    the service reads (the type, the listed function calls, the turn, the event id) is there."""
+    (session_id,) = await start_sessions(emulator, 1, Script.of_calls([("charge", {"amount": 1})]))
+    gateway = AgentsGateway.connect(api_key=None, base_url=emulator.base_url)
+    try:
+        async with gateway.events(session_id, idle_timeout=10) as events:
+            async for event in events:
+                if event.type == "agent.session.requires_action":
+                    break
+    finally:
+        await gateway.close()
+    assert isinstance(event, AgentSessionRequiresActionEvent)
+    assert event.event_id
+    [action] = event.session.required_actions
+    assert isinstance(action, FunctionCallAction)
+    assert (action.name, action.arguments) == ("charge", {"amount": 1})
