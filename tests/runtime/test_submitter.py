@@ -26,6 +26,7 @@ from toolledger.domain.results import succeeded
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.domain.submissions import SubmitOutcome
 from toolledger.emulator import EmulatorServer
+from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.submitter import batch_idempotency_key
 from toolledger.runtime.tool_ledger import ToolLedger
@@ -189,3 +190,38 @@ def test_batch_key__the_same_for_the_same_results_in_any_order_and_another_for_o
 
 def astuple(key: CallKey) -> tuple[str, str, str]:
     return key.session_id, key.turn_id, key.call_id
+
+
+async def test_stored_results_resent_through_the_call_runner__take_no_handler_slot(
+    sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    """A reconcile hands the runner a session's stored results: they run no handler, so they
+    do not queue for handler slots (held here by a handler that waits), and go out together
+    in one request. Queued for slots, they trickled out a few at a time after a crash."""
+    slow = ToolRegistry()
+    release = asyncio.Event()
+
+    @slow.tool(effect="idempotent")
+    async def wait(n: int) -> str:
+        await release.wait()
+        return "done"
+
+    session_id, actions = await pending_actions(emulator, [("noop", {"n": n}) for n in range(CALLS)])
+    busy_id, [busy] = await pending_actions(emulator, [("wait", {"n": 0})])
+    async with running_ledger(slow, sqlite_url, emulator) as ledger:
+        calls = await stored_results(ledger, session_id, actions)
+        runner = CallRunner(ledger.executor, limit=1)
+        holding = runner.dispatch(busy_id, busy)
+        await eventually(lambda: runner.is_running(CallKey(busy_id, busy.turn_id, busy.call_id)))
+        reports = await asyncio.wait_for(
+            asyncio.gather(*(runner.run(session_id, a, c) for a, c in zip(actions, calls, strict=True))),
+            timeout=10,
+        )
+        assert holding is not None
+        assert not holding.done(), "the only handler slot was held throughout"
+        release.set()
+        await holding
+
+    assert [r.submitted for r in reports if r is not None] == [True] * CALLS
+    [(key, carried, outcome)] = requests(emulator, session_id)
+    assert (key, len(carried), outcome) == (batch_idempotency_key(calls), CALLS, "accepted")

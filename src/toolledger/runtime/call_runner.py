@@ -14,12 +14,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from toolledger.domain.delivered import delivered_key
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
-from toolledger.domain.states import CallStatus
+from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import AgentsAuthError
 from toolledger.runtime.executor import Executor, HandleAction, HandleReport
 from toolledger.runtime.loop_logging import log_failure, note_interruption
@@ -113,7 +114,11 @@ class CallRunner:
         return asyncio.ensure_future(known())
 
     async def _run(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
-        async with self._slots:
+        # A stored result is only sent again: it runs no handler, so it takes no handler's
+        # slot. After a crash, a session's stored results then reach the submitter together
+        # and go in one request; queued for slots, they trickled out a few at a time.
+        resent = known is not None and known.status in RESULT_STATUSES
+        async with nullcontext() if resent else self._slots:
             running = self._running.setdefault(key.session_id, set())
             running.add(key)
             try:
