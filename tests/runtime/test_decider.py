@@ -110,6 +110,24 @@ def test_submitted_long_ago_and_still_awaited__resubmitted_and_noted_unconfirmed
     assert decide(submitted, tool(), POLICY, NOW) == Resubmit(unconfirmed=True)
 
 
+def test_submitted_long_ago_and_listed_by_an_event__not_sent_again_but_looked_at_now() -> None:
+    """An event may have waited any time to be read: its listing is no evidence the
+    submission was lost, so a read of the session (retry_in=0) decides, not the event."""
+    submitted = call(CallStatus.SUBMITTED, submitted_at=NOW - timedelta(seconds=60))
+
+    assert decide(submitted, tool(), POLICY, NOW, listing_may_be_stale=True) == Report(
+        HandleAction.ALREADY_SUBMITTED, submitted=True, retry_in=0.0
+    )
+
+
+def test_submitted_moments_ago_and_listed_by_an_event__nothing_to_do() -> None:
+    submitted = call(CallStatus.SUBMITTED, submitted_at=NOW - timedelta(seconds=1))
+
+    assert decide(submitted, tool(), POLICY, NOW, listing_may_be_stale=True) == Report(
+        HandleAction.ALREADY_SUBMITTED, submitted=True
+    )
+
+
 def test_submitted_without_a_time__resubmitted() -> None:
     assert decide(call(CallStatus.SUBMITTED), tool(), POLICY, NOW) == Resubmit(unconfirmed=True)
 

@@ -61,10 +61,15 @@ class CallRunner:
         return key in self._inflight
 
     def dispatch(
-        self, session_id: str, action: Any, known: CallRecord | None = None
+        self,
+        session_id: str,
+        action: Any,
+        known: CallRecord | None = None,
+        *,
+        listing_may_be_stale: bool = False,
     ) -> asyncio.Task[HandleReport] | None:
         """Start handling a ``function_call`` action (or join the run already going on);
-        ``known`` as for ``Executor.handle``."""
+        ``known`` and ``listing_may_be_stale`` as for ``Executor.handle``."""
         key = delivered_key(session_id, action)
         running = self._inflight.get(key)
         if running is not None:
@@ -75,7 +80,7 @@ class CallRunner:
             return self._finished(
                 HandleReport(key, HandleAction.ALREADY_SUBMITTED, CallStatus.SUBMITTED, True)
             )
-        task = asyncio.create_task(self._run(key, action, known), name=f"call {key}")
+        task = asyncio.create_task(self._run(key, action, known, listing_may_be_stale), name=f"call {key}")
         self._inflight[key] = task
         task.add_done_callback(lambda _: self._inflight.pop(key, None))
         return task
@@ -113,7 +118,9 @@ class CallRunner:
 
         return asyncio.ensure_future(known())
 
-    async def _run(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
+    async def _run(
+        self, key: CallKey, action: Any, known: CallRecord | None, listing_may_be_stale: bool
+    ) -> HandleReport:
         # A stored result is only sent again: it runs no handler, so it takes no handler's
         # slot. After a crash, a session's stored results then reach the submitter together
         # and go in one request; queued for slots, they trickled out a few at a time.
@@ -122,7 +129,7 @@ class CallRunner:
             running = self._running.setdefault(key.session_id, set())
             running.add(key)
             try:
-                report = await self._handle(key, action, known)
+                report = await self._handle(key, action, known, listing_may_be_stale)
             finally:
                 running.discard(key)
                 if not running and self._running.get(key.session_id) is running:
@@ -133,12 +140,16 @@ class CallRunner:
             self._on_report(report)
         return report
 
-    async def _handle(self, key: CallKey, action: Any, known: CallRecord | None) -> HandleReport:
+    async def _handle(
+        self, key: CallKey, action: Any, known: CallRecord | None, listing_may_be_stale: bool
+    ) -> HandleReport:
         # A call cut off here is looked at again once its lease can have run out: by then the
         # ledger says what is left to do (run again, wait for an operator, or send a result).
         look_again = self.executor.settings.lease_seconds
         try:
-            return await self.executor.handle(key.session_id, action, known)
+            return await self.executor.handle(
+                key.session_id, action, known, listing_may_be_stale=listing_may_be_stale
+            )
         except AgentsAuthError as error:
             if self._on_fatal is not None:
                 self._on_fatal(error)

@@ -161,9 +161,13 @@ def decide(
     policy: Policy,
     now: datetime,
     verified: Verified | None = None,
+    *,
+    listing_may_be_stale: bool = False,
 ) -> Decision:
     """What ``call`` needs next. ``tool``: ``tool_for(call, ...)``; ``verified``: the verify
-    hook's answer, once a ``Verify`` decision had it asked."""
+    hook's answer, once a ``Verify`` decision had it asked; ``listing_may_be_stale``: the call
+    was listed by an event, which may have waited any time to be read (a busy process reads
+    its streams late), not by a read of the session just now."""
     if call.status in RESULT_STATUSES:
         return Resubmit()
     if call.status is CallStatus.SUBMITTED:
@@ -172,6 +176,11 @@ def decide(
         ):
             # Listed in an event sent before our submission landed: nothing to do.
             return Report(HandleAction.ALREADY_SUBMITTED, submitted=True)
+        if listing_may_be_stale:
+            # Not evidence that the submission was lost: an event read late lists calls
+            # answered since (after a restart, a stream's first event was read seconds after
+            # the reconcile had sent every result it listed). A read of the session now decides.
+            return Report(HandleAction.ALREADY_SUBMITTED, submitted=True, retry_in=0.0)
         # Still awaited well after an accepted submission: send the same bytes again; the
         # Idempotency-Key makes the service apply them once at most.
         return Resubmit(unconfirmed=True)

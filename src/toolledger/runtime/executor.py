@@ -131,13 +131,22 @@ class Executor:
 
     # ------------------------------------------------------------------ entry
 
-    async def handle(self, session_id: str, action: Any, known: CallRecord | None = None) -> HandleReport:
+    async def handle(
+        self,
+        session_id: str,
+        action: Any,
+        known: CallRecord | None = None,
+        *,
+        listing_may_be_stale: bool = False,
+    ) -> HandleReport:
         """Handle one ``function_call`` entry of a session's ``required_actions`` (or the
         ``DeliveredCall`` read from it).
 
         ``known``: the call as the ledger held it moments ago (a reconciler's snapshot). A
         stored result there is sent without recording the call again: results never change,
         and a submission that raced another process's is harmless (same bytes, same key).
+        ``listing_may_be_stale``: the call was listed by an event, not by a read of the session
+        just now: a call submitted already is not sent again on its word (see ``decide``).
         """
         delivered = DeliveredCall.parse(session_id, action, self.settings.max_arguments_bytes)
         key = delivered.key
@@ -153,20 +162,20 @@ class Executor:
             ):
                 report = await self._continue(known)
             else:
-                report = await self._handle(delivered)
+                report = await self._handle(delivered, listing_may_be_stale)
             _note_report(span, report)
             log.debug(
                 "call %s (%s): %s, now %s", key.call_id, delivered.tool_name, report.action, report.status
             )
             return report
 
-    async def _handle(self, delivered: DeliveredCall) -> HandleReport:
+    async def _handle(self, delivered: DeliveredCall, listing_may_be_stale: bool) -> HandleReport:
         key = delivered.key
         if not self.run_handlers:
             known = await self.store.get(key)
             if known is None:
                 return HandleReport(key, HandleAction.LEFT_FOR_SERVICE, None)
-            return await self._continue(known)
+            return await self._continue(known, listing_may_be_stale=listing_may_be_stale)
         tool = self.registry.get(delivered.tool_name)
         recorded = await self.ledger.record(
             delivered, tool.effect if tool is not None else EffectClass.UNREGISTERED
@@ -177,7 +186,7 @@ class Executor:
         if recorded.claimed:
             crash_point(CP_AFTER_CLAIM_COMMIT)
             return await self._run_and_submit(tool, recorded.call, HandleAction.EXECUTED, delivered)
-        return await self._continue(recorded.call)
+        return await self._continue(recorded.call, listing_may_be_stale=listing_may_be_stale)
 
     async def recover(self) -> RecoveryReport:
         """Pick up every call a crash or a lost connection left behind."""
@@ -231,10 +240,14 @@ class Executor:
 
     # ------------------------------------------------------------ existing calls
 
-    async def _continue(self, call: CallRecord, verified: Verified | None = None) -> HandleReport:
+    async def _continue(
+        self, call: CallRecord, verified: Verified | None = None, *, listing_may_be_stale: bool = False
+    ) -> HandleReport:
         """Do what the decider says the recorded call needs next."""
         tool = tool_for(call, self.registry)
-        decision = decide(call, tool, self.policy, datetime.now(UTC), verified)
+        decision = decide(
+            call, tool, self.policy, datetime.now(UTC), verified, listing_may_be_stale=listing_may_be_stale
+        )
         match decision:
             case Report(action=action, submitted=submitted, retry_in=retry_in):
                 return HandleReport(call.key, action, call.status, submitted, retry_in)

@@ -452,7 +452,7 @@ class Service:
             assert runner is not None
             for action in event.session.required_actions:
                 if isinstance(action, FunctionCallAction):
-                    runner.dispatch(session_id, action)
+                    runner.dispatch(session_id, action, listing_may_be_stale=True)
                 else:
                     self.reconciler.note_foreign_action(session_id, action)
         elif kind == "agent.session.failed":
