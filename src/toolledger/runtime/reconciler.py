@@ -105,7 +105,10 @@ class Reconciler:
         ``concurrency``: sessions whose ledger and API reads are in progress at once. A
         thousand sessions reconciling together (a timer tick, a restart) would otherwise queue
         on the connection pool ahead of the calls' own outcome writes and time them out.
-        Running the listed calls is not counted: the call runner bounds that."""
+        Running the listed calls is not counted: the call runner bounds that. Closing a pass
+        (what the session no longer lists) has slots of its own: queued behind the reads of
+        every session still to come, a session that had sent its results waited seconds to
+        read its events (after a restart with a thousand sessions, 6 s)."""
         self.executor = executor
         self.gateway = gateway
         self.sessions = sessions
@@ -113,6 +116,7 @@ class Reconciler:
         self._in_flight = in_flight or (lambda _key: False)
         self._logged: OrderedDict[tuple[str, ...], None] = OrderedDict()
         self._slots = asyncio.Semaphore(concurrency)
+        self._closing = asyncio.Semaphore(concurrency)
 
     async def reconcile_session(self, session_id: str) -> SessionReconciliation:
         with log_fields(session_id=session_id):
@@ -125,7 +129,7 @@ class Reconciler:
         if listed is None:
             return result
         await self._run_listed(result, listed)
-        async with self._slots:
+        async with self._closing:
             await self._close_unlisted(result, listed)
         return result
 
