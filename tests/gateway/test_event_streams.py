@@ -66,3 +66,37 @@ async def test_stream__each_event_is_the_variant_its_type_names(emulator: Emulat
     [action] = event.session.required_actions
     assert isinstance(action, FunctionCallAction)
     assert (action.name, action.arguments) == ("charge", {"amount": 1})
+
+
+async def test_stream__asked_for_some_types__yields_only_those(emulator: EmulatorServer) -> None:
+    """The others are dropped unbuilt: the session's turn carries items and status changes
+    (and, from a real model, text deltas) that the service never reads."""
+    script = Script.of_calls([("charge", {"amount": 1})], [("charge", {"amount": 2})])
+    (session_id,) = await start_sessions(emulator, 1, script)
+    gateway = AgentsGateway.connect(api_key=None, base_url=emulator.base_url)
+    wanted = frozenset({"agent.session.requires_action", "agent.session.turn.completed"})
+    seen: list[str] = []
+    try:
+        async with gateway.events(session_id, idle_timeout=10, types=wanted) as events:
+            async for event in events:
+                seen.append(event.type)
+                if event.type == "agent.session.requires_action":
+                    [action] = event.session.required_actions
+                    assert isinstance(action, FunctionCallAction)
+                    result = {
+                        "type": "agent.session.input.tool_result",
+                        "turn_id": action.turn_id,
+                        "call_id": action.call_id,
+                        "success": True,
+                        "output": "charged",
+                    }
+                    await gateway.submit_tool_result(session_id, result, f"key-{action.call_id}")
+                if event.type == "agent.session.turn.completed":
+                    break
+    finally:
+        await gateway.close()
+    assert seen == [
+        "agent.session.requires_action",
+        "agent.session.requires_action",
+        "agent.session.turn.completed",
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any, cast, get_args
 
 import httpx2
@@ -196,8 +197,12 @@ class AgentsGateway:
         return [a for a in session.required_actions if isinstance(a, FunctionCallAction)]
 
     @asynccontextmanager
-    async def events(self, session_id: str, *, idle_timeout: float) -> AsyncIterator[SessionEvents]:
-        """Open the session's live event stream; iterate it inside the block.
+    async def events(
+        self, session_id: str, *, idle_timeout: float, types: frozenset[str] | None = None
+    ) -> AsyncIterator[SessionEvents]:
+        """Open the session's live event stream; iterate it inside the block. ``types``: only
+        events of these types are yielded; the others are read and dropped without being
+        built (a model's turn streams many text deltas nobody here reads).
 
         The stream is open (the service buffers events for it) before the block runs, so
         reconciling there leaves no gap in which an event could be missed. Raises
@@ -216,7 +221,7 @@ class AgentsGateway:
         except (openai.OpenAIError, httpx2.HTTPError) as error:
             raise StreamInterruptedError(describe(error)) from error
         async with stream:
-            yield SessionEvents(stream)
+            yield SessionEvents(stream, types)
 
     async def discover(self, metadata: dict[str, str]) -> list[AgentSession]:
         """Every session whose metadata matches (all pages)."""
@@ -274,7 +279,11 @@ class KeepAliveTolerantClient(AsyncOpenAI):
         # a tenth of a recovering serve's time went into validating events. Its own fallback
         # is taken at once; anything else (other types, strict validation) is the SDK's.
         if cast_to is AgentSessionEvent and not self._strict_response_validation and isinstance(data, dict):
-            variant = _EVENT_VARIANTS.get(data.get("type"))
+            kind = data.get("type")
+            wanted = _EVENT_TYPES_READ.get()
+            if wanted is not None and kind not in wanted:
+                return None  # dropped unbuilt: SessionEvents skips it
+            variant = _EVENT_VARIANTS.get(kind)
             if variant is not None:
                 return construct_type(type_=variant, value=data)
         return super()._process_response_data(data=data, cast_to=cast_to, response=response)
@@ -291,24 +300,33 @@ def _event_variants() -> dict[object, type]:
 
 
 _EVENT_VARIANTS = _event_variants()
+_EVENT_TYPES_READ: ContextVar[frozenset[str] | None] = ContextVar("_EVENT_TYPES_READ", default=None)
+"""The event types the stream being read now yields (``SessionEvents`` sets it for each step)."""
 
 
 class SessionEvents:
     """A session's event stream, its failures spoken in toolledger's errors."""
 
-    def __init__(self, stream: AsyncStream[AgentSessionEvent]) -> None:
+    def __init__(self, stream: AsyncStream[AgentSessionEvent], types: frozenset[str] | None = None) -> None:
         self._events = stream.__aiter__()
+        self._types = types
 
     def __aiter__(self) -> SessionEvents:
         return self
 
     async def __anext__(self) -> AgentSessionEvent:
+        reading = _EVENT_TYPES_READ.set(self._types)
         try:
-            return await self._events.__anext__()
+            while True:
+                event = await self._events.__anext__()
+                if event is not None:
+                    return event
         except (openai.OpenAIError, httpx2.HTTPError) as error:
             raise StreamInterruptedError(describe(error)) from error
         except ValueError as error:  # an event whose data is not JSON: a garbled stream
             raise StreamInterruptedError(f"malformed event ({type(error).__name__})") from error
+        finally:
+            _EVENT_TYPES_READ.reset(reading)
 
 
 async def _crash_when_submission_accepted(response: httpx2.Response) -> None:

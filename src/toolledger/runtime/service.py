@@ -60,6 +60,8 @@ together, a thousand streams kept every session's first reconcile waiting for te
 TURN_ENDS = frozenset(
     {"agent.session.turn.completed", "agent.session.turn.cancelled", "agent.session.turn.failed"}
 )
+EVENTS_ACTED_ON = TURN_ENDS | {"agent.session.requires_action", "agent.session.failed"}
+"""What ``_on_event`` reads; the stream drops every other event unbuilt."""
 
 
 @dataclass(frozen=True)
@@ -404,7 +406,9 @@ class Service:
                     async with self._opening_streams:
                         events = await stream.enter_async_context(
                             self.ledger.gateway.events(
-                                session_id, idle_timeout=self.settings.stream_idle_timeout_seconds
+                                session_id,
+                                idle_timeout=self.settings.stream_idle_timeout_seconds,
+                                types=EVENTS_ACTED_ON,
                             )
                         )
                     # The stream is open: what happened while we were away is settled now,
