@@ -483,11 +483,11 @@ async def test_service__a_restart_with_many_watched_sessions__opens_their_stream
     real_events = AgentsGateway.events
 
     @asynccontextmanager
-    async def counted(self: AgentsGateway, session_id: str, *, idle_timeout: float) -> Any:
+    async def counted(self: AgentsGateway, session_id: str, **options: Any) -> Any:
         nonlocal opening, most, opened
         opening += 1
         most = max(most, opening)
-        stream = real_events(self, session_id, idle_timeout=idle_timeout)
+        stream = real_events(self, session_id, **options)
         try:
             events = await stream.__aenter__()
         finally:
