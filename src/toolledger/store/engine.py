@@ -69,6 +69,27 @@ async def write_transaction(engine: AsyncEngine) -> AsyncIterator[AsyncConnectio
         yield conn
 
 
+_AUTOCOMMIT: WeakKeyDictionary[Engine, AsyncEngine] = WeakKeyDictionary()
+
+
+def autocommit(engine: AsyncEngine) -> AsyncEngine:
+    """The same pool, each statement committing by itself: on PostgreSQL, a single statement
+    without the BEGIN and COMMIT round trips (or, for a read, the ROLLBACK when its connection
+    goes back to the pool)."""
+    found = _AUTOCOMMIT.get(engine.sync_engine)
+    if found is None:
+        found = _AUTOCOMMIT[engine.sync_engine] = engine.execution_options(isolation_level="AUTOCOMMIT")
+    return found
+
+
+def single_write(engine: AsyncEngine) -> AbstractAsyncContextManager[AsyncConnection]:
+    """A connection for one write statement: in autocommit on PostgreSQL; on SQLite a write
+    transaction, queued behind the process's other writers (``write_transaction``)."""
+    if engine.dialect.name == "sqlite":
+        return write_transaction(engine)
+    return autocommit(engine).connect()
+
+
 _T = TypeVar("_T")
 _Store = TypeVar("_Store", bound=type)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from sqlalchemy import and_, func, or_, select, tuple_
+from sqlalchemy import Select, and_, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
 from toolledger.crashpoints import CP_AFTER_BATCH_OUTCOMES, CP_AFTER_BATCH_RECORD, crash_point
 from toolledger.domain.keys import CallKey, arguments_fingerprint, arguments_text
@@ -464,12 +464,7 @@ class LedgerStore:
     async def open_calls(self, session_id: str) -> list[CallRecord]:
         """The session's calls it may still be waiting on (not abandoned, not confirmed)."""
         async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                select(tool_calls)
-                .where(tool_calls.c.session_id == session_id, open_call_clause())
-                .order_by(tool_calls.c.created_at)
-            )
-            return [call_record(row) for row in rows]
+            return [call_record(row) for row in await conn.execute(open_calls_of(session_id))]
 
     async def count_in(self, status: CallStatus) -> int:
         """Calls in one state: a claimable one counts through its partial index, not a scan of
@@ -687,3 +682,13 @@ def _claim_detail(claim_id: str | None) -> str | None:
 
 
 __all__ = ["LedgerStore", "call_events", "require"]
+
+
+def open_calls_of(session_id: str | BindParameter[str]) -> Select[Any]:
+    """A session's open calls, oldest first (``session_id``: a value, or a bind parameter for
+    a statement prepared once)."""
+    return (
+        select(tool_calls)
+        .where(tool_calls.c.session_id == session_id, open_call_clause())
+        .order_by(tool_calls.c.created_at)
+    )

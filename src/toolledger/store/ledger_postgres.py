@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from functools import cached_property
 from typing import Any
 
 from sqlalchemy import (
@@ -39,11 +38,16 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
 from toolledger.domain.states import RECORD, SUBMIT, CallStatus, Transition
 from toolledger.errors import TransitionError
-from toolledger.store.engine import is_transient, utc_now
-from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log
+from toolledger.store.engine import autocommit, is_transient, utc_now
+from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log, open_calls_of
 from toolledger.store.prepared import PreparedStatement
 from toolledger.store.rows import call_record
-from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
+from toolledger.store.schema import (
+    StorableText,
+    storable_text,
+    tool_call_events,
+    tool_calls,
+)
 from toolledger.store.transitions import (
     CONFIRM,
     KEY_COLUMNS,
@@ -75,10 +79,9 @@ class PostgresLedger(LedgerStore):
     # one batch in flight would queue what it could run side by side.
     _parallel_writes = 4
 
-    @cached_property
+    @property
     def _autocommit(self) -> AsyncEngine:
-        """Same pool; each single-statement write commits by itself (no BEGIN/COMMIT trips)."""
-        return self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        return autocommit(self.engine)
 
     async def mark_confirmed_many(self, keys: Sequence[CallKey]) -> set[CallKey]:
         if not keys:
@@ -88,6 +91,14 @@ class PostgresLedger(LedgerStore):
         async with self._autocommit.connect() as conn:
             rows = await statement.rows(conn, params)
         return {_key(row) for row in rows}
+
+    async def open_calls(self, session_id: str) -> list[CallRecord]:
+        # Read at every reconcile and turn end: prepared, and in autocommit (no BEGIN, and no
+        # ROLLBACK when the connection goes back to the pool).
+        statement = self._prepared(("open_calls",), self._build_open_calls)
+        async with self._autocommit.connect() as conn:
+            rows = await statement.rows(conn, {"p_session_id": session_id})
+        return [call_record(row) for row in rows]
 
     async def mark_submitted_many(
         self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
@@ -190,6 +201,9 @@ class PostgresLedger(LedgerStore):
         return self._statement(shape, lambda: PreparedStatement(build(), self.engine.dialect))  # type: ignore[no-any-return]
 
     # -------------------------------------------------------------- statements
+
+    def _build_open_calls(self) -> Select[Any]:
+        return open_calls_of(bindparam("p_session_id", type_=Text))
 
     def _build_record(self) -> Select[Any]:
         return self._with_event(

@@ -22,7 +22,13 @@ from sqlalchemy.sql.elements import ColumnElement
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
 from toolledger.domain.states import CallStatus, EffectClass
-from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
+from toolledger.store.engine import (
+    single_write,
+    uninterrupted_on_sqlite,
+    utc_after,
+    utc_now,
+    write_transaction,
+)
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
 
@@ -89,7 +95,8 @@ class SessionStore:
         values: dict[str, Any] = {"last_polled_at": utc_now(), "status": status, "updated_at": utc_now()}
         if last_event_id is not None:
             values["last_event_id"] = last_event_id
-        async with write_transaction(self.engine) as conn:
+        # After every reconcile: one statement, committed by itself.
+        async with single_write(self.engine) as conn:
             await conn.execute(sessions.update().where(sessions.c.session_id == session_id).values(**values))
 
     # ------------------------------------------------------------------ leases
