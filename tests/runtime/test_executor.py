@@ -154,6 +154,30 @@ async def test_handle__repeated_right_after_submission__is_taken_as_a_stale_list
     assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted"]
 
 
+async def test_call_runner__a_submitted_call_listed_by_an_event__is_not_sent_again_but_looked_at(
+    sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    """Past the resubmission window (0 here) a read of the session would send it again; an
+    event's listing, which may be any age, only asks for such a read (retry_in=0)."""
+    registry, runs = mail_registry()
+    session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
+    async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=0) as ledger:
+        runner = CallRunner(ledger.executor, limit=4)
+        first = await runner.run(session_id, action)
+        dispatched = runner.dispatch(session_id, action, listing_may_be_stale=True)  # as serve's events do
+        assert dispatched is not None
+        from_event = await dispatched
+        from_read = await runner.run(session_id, action)
+
+    assert first is not None
+    assert first.action == "executed"
+    assert (from_event.action, from_event.submitted, from_event.retry_in) == ("already_submitted", True, 0.0)
+    assert from_read is not None
+    assert from_read.action == "resubmitted"
+    assert runs == ["a@example.com"]
+    assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted", "replayed"]
+
+
 def mail_registry() -> tuple[ToolRegistry, list[str]]:
     """An at_most_once ``send_mail`` tool, and the addresses it really mailed."""
     registry = ToolRegistry()
