@@ -681,9 +681,6 @@ def _claim_detail(claim_id: str | None) -> str | None:
     return None if claim_id is None else f"claim {claim_id}"
 
 
-__all__ = ["LedgerStore", "call_events", "require"]
-
-
 def open_calls_of(session_id: str | BindParameter[str]) -> Select[Any]:
     """A session's open calls, oldest first (``session_id``: a value, or a bind parameter for
     a statement prepared once)."""
@@ -692,3 +689,6 @@ def open_calls_of(session_id: str | BindParameter[str]) -> Select[Any]:
         .where(tool_calls.c.session_id == session_id, open_call_clause())
         .order_by(tool_calls.c.created_at)
     )
+
+
+__all__ = ["LedgerStore", "call_events", "open_calls_of", "require"]

@@ -42,12 +42,7 @@ from toolledger.store.engine import autocommit, is_transient, utc_now
 from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log, open_calls_of
 from toolledger.store.prepared import PreparedStatement
 from toolledger.store.rows import call_record
-from toolledger.store.schema import (
-    StorableText,
-    storable_text,
-    tool_call_events,
-    tool_calls,
-)
+from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
 from toolledger.store.transitions import (
     CONFIRM,
     KEY_COLUMNS,
