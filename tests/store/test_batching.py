@@ -51,6 +51,27 @@ async def test_writes_queued_while_a_flush_runs_go_out_together_next() -> None:
     assert flush.batches == [[0, 1, 2, 3, 4]]
 
 
+async def test_writes_added_as_many__go_in_one_flush_with_the_others_and_each_gets_its_own_result() -> None:
+    batches: list[list[int]] = []
+
+    async def flush(items: Sequence[int]) -> Sequence[int | BaseException]:
+        await asyncio.sleep(0.001)
+        batches.append(list(items))
+        return [ValueError(item) if item == 13 else item * 10 for item in items]
+
+    batcher: WriteBatcher[int, int] = WriteBatcher(flush, flushes=1)
+    busy = asyncio.ensure_future(batcher.add(1))
+    await asyncio.sleep(0)  # the first flush is running: what follows queues
+
+    many, other = await asyncio.wait_for(asyncio.gather(batcher.add_many([11, 12, 13]), batcher.add(2)), WAIT)
+
+    assert await busy == 10
+    assert many[:2] == [110, 120]
+    assert isinstance(many[2], ValueError)
+    assert other == 20
+    assert batches == [[1], [11, 12, 13, 2]]
+
+
 async def test_a_long_chain_of_writes_each_made_after_the_last_never_stalls() -> None:
     flush = Flushes()
     batcher: WriteBatcher[int, int] = WriteBatcher(flush, flushes=1)

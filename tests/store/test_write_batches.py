@@ -21,11 +21,12 @@ from sqlalchemy.pool import StaticPool
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import Recorded
-from toolledger.domain.results import succeeded
+from toolledger.domain.results import FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.errors import FencedError
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.schema import storable_text
 
 ACTOR = "worker-a"
 LEASE_SECONDS = 30.0
@@ -165,6 +166,80 @@ async def test_outcomes_stored_together__share_one_commit_and_a_stale_token_fail
             succeeded(key, f"done {key.call_id}").payload_json(),
         )
         assert [e.to_status for e in await store.events(key)] == ["running", "succeeded"]
+
+
+async def test_outcomes_stored_together__a_failure_a_late_result_and_odd_text_each_as_alone(
+    engine: AsyncEngine,
+) -> None:
+    """One batch holding what the one-call write handles case by case: a failure (its stage
+    and redacted detail), a result whose lease ran out meanwhile but whose token is still
+    current (stored late, as the only run's), and text PostgreSQL's text type refuses raw."""
+    store = LedgerStore(engine, actor=ACTOR, owner="gone-worker")
+    ok, failing, late = new_key(), new_key(), new_key()
+    await asyncio.gather(*(record(store, key) for key in (ok, failing, late)))
+    (expired,) = await LedgerStore(engine, actor="other").expire_leases(late, gone_owners=["gone-worker"])
+    assert expired.status is CallStatus.UNKNOWN
+
+    with commits(engine) as counted:
+        done = await asyncio.gather(
+            store.complete(ok, 1, succeeded(ok, "nul \x00 and \ud800 here")),
+            store.complete(
+                failing, 1, failed(failing, "Tool failed", FailureStage.EXECUTION, detail="trace")
+            ),
+            store.complete(late, 1, succeeded(late, "late")),
+        )
+        assert await counted.writers_of([ok, failing]) == 1
+
+    assert [call.status for call in done] == [CallStatus.SUCCEEDED, CallStatus.FAILED, CallStatus.SUCCEEDED]
+    assert done[0].result == storable_text(succeeded(ok, "nul \x00 and \ud800 here").payload_json())
+    assert (done[1].error_stage, done[1].error_detail) == ("execution", "trace")
+    assert [(e.from_status, e.to_status, e.reason) for e in await store.events(failing)][-1] == (
+        "running",
+        "failed",
+        "execution",
+    )
+    assert [(e.from_status, e.to_status) for e in await store.events(ok)][-1] == ("running", "succeeded")
+    assert (await store.events(late))[-1].reason == "late result of the only run, after its lease expired"
+
+
+async def test_submitted_marks_made_together__share_one_commit_and_each_has_its_event(
+    engine: AsyncEngine,
+) -> None:
+    """Calls of different sessions accepted at the same moment are marked by one write; a mark
+    for a call with no stored result is refused alone, and a call marked twice at once is
+    marked by the first."""
+    store = LedgerStore(engine, actor=ACTOR)
+    keys = [new_key(f"sess_mark_{n}") for n in range(4)]
+    running, alone = new_key("sess_mark_running"), new_key("sess_mark_alone")
+    await asyncio.gather(*(record(store, key) for key in [*keys, running, alone]))
+    await asyncio.gather(*(store.complete(key, 1, succeeded(key, "done")) for key in [*keys, alone]))
+    with commits(engine) as one_mark:  # on SQLite its pragmas' commits count too
+        await store.mark_submitted(alone)
+
+    with commits(engine) as counted:
+        marks = await asyncio.gather(
+            *(store.mark_submitted(key) for key in keys),
+            store.mark_submitted(running),
+            store.mark_submitted(keys[0]),
+        )
+        if engine.dialect.name == "postgresql":
+            assert await counted.writers_of(keys) == 1
+        else:
+            assert counted.count == one_mark.count
+
+    assert [None if m is None else (m.key, m.status) for m in marks] == [
+        *((key, CallStatus.SUBMITTED) for key in keys),
+        None,
+        None,
+    ]
+    assert (await store.get(running)).status is CallStatus.RUNNING  # type: ignore[union-attr]
+    for key in keys:
+        (submission,) = [e for e in await store.events(key) if e.kind == "submission"]
+        assert (submission.from_status, submission.to_status, submission.reason) == (
+            "succeeded",
+            "submitted",
+            "result accepted",
+        )
 
 
 @dataclass

@@ -38,13 +38,22 @@ class WriteBatcher(Generic[Item, Result]):
 
     async def add(self, item: Item) -> Result:
         """Queue ``item`` for the next flush and wait for its own result (or exception)."""
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        self._queued.append((item, future))
+        (future,) = self._enqueue([item])
+        return await future
+
+    async def add_many(self, items: Sequence[Item]) -> list[Result | BaseException]:
+        """Queue ``items`` for the same flush; each one's result or exception, in order."""
+        return list(await asyncio.gather(*self._enqueue(items), return_exceptions=True))
+
+    def _enqueue(self, items: Sequence[Item]) -> list[asyncio.Future[Result]]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Result]] = [loop.create_future() for _ in items]
+        self._queued.extend(zip(items, futures, strict=True))
         if len(self._flushing) < self._flushes:
             task = asyncio.create_task(self._drain())
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
-        return await future
+        return futures
 
     async def _drain(self) -> None:
         try:

@@ -75,10 +75,17 @@ class NewCall:
     """Its claim's audit detail (the claim id)."""
 
 
-class _Completion(NamedTuple):
+class Completion(NamedTuple):
+    """A run's outcome to store, by the run holding lease ``token``."""
+
     key: CallKey
     token: int
     outcome: Outcome
+
+
+class _Mark(NamedTuple):
+    key: CallKey
+    reason: str
 
 
 class _Keyed(Protocol):
@@ -141,8 +148,11 @@ class LedgerStore:
         self._records: WriteBatcher[NewCall, Recorded] = WriteBatcher(
             self._records_together, flushes=self._parallel_writes
         )
-        self._outcomes: WriteBatcher[_Completion, CallRecord] = WriteBatcher(
+        self._outcomes: WriteBatcher[Completion, CallRecord] = WriteBatcher(
             self._outcomes_together, flushes=self._parallel_writes
+        )
+        self._marks: WriteBatcher[_Mark, CallRecord | None] = WriteBatcher(
+            self._marks_together, flushes=self._parallel_writes
         )
 
     # ------------------------------------------------------------------ writes
@@ -216,7 +226,7 @@ class LedgerStore:
         With ``connection`` the write joins the caller's transaction: a transactional tool's
         side effect and its result then commit together.
         """
-        completion = _Completion(key, token, outcome)
+        completion = Completion(key, token, outcome)
         if connection is not None:
             return await self._complete(connection, completion)
         if self.batching:
@@ -224,11 +234,11 @@ class LedgerStore:
         async with self._writing() as conn:
             return await self._complete(conn, completion)
 
-    async def _complete(self, conn: AsyncConnection, completion: _Completion) -> CallRecord:
+    async def _complete(self, conn: AsyncConnection, completion: Completion) -> CallRecord:
         key, token, outcome = completion
         params = {"p_token": token, **self._outcome_params(outcome)}
         attempts = (
-            (COMPLETE.of(outcome.success), outcome.stage.value if outcome.stage else "handler returned"),
+            (COMPLETE.of(outcome.success), completed_reason(outcome)),
             # The lease expired while the handler ran (a paused or partitioned worker) but
             # nobody claimed the call since: the token is still ours, and this is the one
             # true outcome of the only run. Better than leaving it unknown.
@@ -241,14 +251,20 @@ class LedgerStore:
         raise FencedError(f"{key}: lease token {token} is no longer current; result refused")
 
     async def _outcomes_together(
-        self, completions: Sequence[_Completion]
+        self, completions: Sequence[Completion]
     ) -> Sequence[CallRecord | BaseException]:
         """Outcomes that became ready together, stored in ONE transaction (one commit, one
         fsync), each with its own fencing: one refused outcome fails only its own call."""
-        stored = await self._together(completions, self._complete)
+        stored = await self._completions_batch(completions)
         if len(completions) > 1:
             crash_point(CP_AFTER_BATCH_OUTCOMES)
         return stored
+
+    async def _completions_batch(
+        self, completions: Sequence[Completion]
+    ) -> Sequence[CallRecord | BaseException]:
+        """``_complete`` for each of ``completions``, in one commit."""
+        return await self._together(completions, self._complete)
 
     async def _records_together(self, news: Sequence[NewCall]) -> Sequence[Recorded | BaseException]:
         recorded = await self._record_batch(news)
@@ -344,20 +360,47 @@ class LedgerStore:
         return None if remaining is None else max(float(remaining), 0.0)
 
     async def mark_submitted(self, key: CallKey, *, reason: str = "result accepted") -> CallRecord | None:
-        """The Agents API accepted the stored result (commit point 3)."""
+        """The Agents API accepted the stored result (commit point 3). With batching, marks
+        made at the same moment (other sessions' calls answered meanwhile) share one statement."""
+        if self.batching:
+            return await self._marks.add(_Mark(key, reason))
         return await self._transition(SUBMIT, key, reason, {})
 
     async def mark_submitted_many(
         self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
     ) -> set[CallKey]:
         """``mark_submitted`` for the calls of one accepted batch, in one transaction (one
-        commit for them all). Returns the calls marked now."""
-        marked: set[CallKey] = set()
+        commit for them all; with batching, with the other marks made at that moment). Returns
+        the calls marked now."""
+        if not self.batching:
+            return set(await self._submitted_many(keys, reason))
+        marked = await self._marks.add_many([_Mark(key, reason) for key in keys])
+        for outcome in marked:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return {call.key for call in marked if isinstance(call, CallRecord)}
+
+    async def _submitted_many(self, keys: Sequence[CallKey], reason: str) -> dict[CallKey, CallRecord]:
+        """``SUBMIT`` on each of ``keys`` that is in one of its sources, in one commit: the
+        calls marked now, as they are after it."""
+        marked: dict[CallKey, CallRecord] = {}
         async with self._transaction(durable=SUBMIT.durable) as conn:
             for key in keys:
-                if await self._change(conn, SUBMIT, SUBMIT.sources, key, {}, reason) is not None:
-                    marked.add(key)
+                call = await self._change(conn, SUBMIT, SUBMIT.sources, key, {}, reason)
+                if call is not None:
+                    marked[key] = call
         return marked
+
+    async def _marks_together(self, marks: Sequence[_Mark]) -> list[CallRecord | None]:
+        if len(marks) == 1:
+            (mark,) = marks
+            return [await self._transition(SUBMIT, mark.key, mark.reason, {})]
+        marked: dict[CallKey, CallRecord] = {}
+        for reason in dict.fromkeys(mark.reason for mark in marks):
+            keys = sorted({mark.key for mark in marks if mark.reason == reason})
+            marked.update(await self._submitted_many(keys, reason))
+        # A call marked twice at once: the first of its marks did it, as one after the other.
+        return [marked.pop(mark.key, None) for mark in marks]
 
     async def note_resubmission(self, key: CallKey) -> int:
         """A submitted call still awaited was sent again and accepted again: count it (and say
@@ -666,6 +709,11 @@ def _executor_for(engine: AsyncEngine) -> type[LedgerStore]:
 
         return SqliteLedger
     raise ValueError(f"no ledger for {engine.dialect.name}: use PostgreSQL or SQLite")
+
+
+def completed_reason(outcome: Outcome) -> str:
+    """The audit reason of a run's outcome stored: the stage that failed, if one did."""
+    return outcome.stage.value if outcome.stage else "handler returned"
 
 
 def require(call: CallRecord | None, what: str) -> CallRecord:

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import (
     CTE,
+    BigInteger,
     Select,
     String,
     Text,
@@ -36,10 +37,18 @@ from sqlalchemy.sql.visitors import replacement_traverse
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
-from toolledger.domain.states import RECORD, SUBMIT, CallStatus, Transition
+from toolledger.domain.states import COMPLETE, RECORD, SUBMIT, CallStatus, Transition
 from toolledger.errors import TransitionError
 from toolledger.store.engine import autocommit, is_transient, utc_now
-from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall, log, open_calls_of
+from toolledger.store.ledger import (
+    RECORDED_REASON,
+    Completion,
+    LedgerStore,
+    NewCall,
+    completed_reason,
+    log,
+    open_calls_of,
+)
 from toolledger.store.prepared import PreparedStatement
 from toolledger.store.rows import call_record
 from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
@@ -95,16 +104,14 @@ class PostgresLedger(LedgerStore):
             rows = await statement.rows(conn, {"p_session_id": session_id})
         return [call_record(row) for row in rows]
 
-    async def mark_submitted_many(
-        self, keys: Sequence[CallKey], *, reason: str = "result accepted in a batch"
-    ) -> set[CallKey]:
+    async def _submitted_many(self, keys: Sequence[CallKey], reason: str) -> dict[CallKey, CallRecord]:
         if not keys:
-            return set()
+            return {}
         statement = self._prepared(("mark_submitted_many",), lambda: self._build_change_many(SUBMIT))
         params = {**_key_arrays(keys), **self._event_params(reason)}
         async with self._autocommit.connect() as conn:
             rows = await statement.rows(conn, params)
-        return {_key(row) for row in rows}
+        return {call.key: call for call in map(call_record, rows)}
 
     def _writing(self, *, durable: bool = True) -> AbstractAsyncContextManager[AsyncConnection]:
         # Durability is the statement's own business here (``_with_event``): in autocommit it
@@ -160,6 +167,51 @@ class PostgresLedger(LedgerStore):
                 recorded.append(error)
         return recorded
 
+    async def _completions_batch(
+        self, completions: Sequence[Completion]
+    ) -> Sequence[CallRecord | BaseException]:
+        """Outcomes ready together, stored by ONE statement, each fenced by its own token; one
+        its token no longer holds (or whose lease ran out meanwhile) is then tried alone, as
+        ``_complete`` does for one call."""
+        if len(completions) == 1:
+            return [await self._alone(completions[0], self._complete)]
+        statement = self._prepared(("complete_many",), self._build_complete_many)
+        per_call = [self._completion_row(c) for c in completions]
+        values = {
+            **{f"a_{name}": [row[name] for row in per_call] for name in _COMPLETE_ROW},
+            "e_actor": self.actor,
+        }
+        try:
+            async with self._autocommit.connect() as conn:
+                rows = await statement.rows(conn, values)
+        except Exception as error:
+            if is_transient(error):
+                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
+            log.warning("storing %d outcomes together failed (%s): one by one", len(completions), error)
+            return [await self._alone(c, self._complete) for c in completions]
+        stored = {(call.key, call.lease_token): call for call in map(call_record, rows)}
+        results: list[CallRecord | BaseException] = []
+        for completion in completions:
+            call = stored.pop((completion.key, completion.token), None)
+            results.append(call if call is not None else await self._alone(completion, self._complete))
+        return results
+
+    def _completion_row(self, completion: Completion) -> dict[str, Any]:
+        """A ``complete_many`` row: the one-call statement's parameters for ``completion``."""
+        key, token, outcome = completion
+        row: dict[str, Any] = {
+            **key_params(key),
+            **self._outcome_params(outcome),
+            "p_token": token,
+            "p_status": COMPLETE.of(outcome.success).target.value,
+            "e_reason": self._audit_text(completed_reason(outcome)),
+        }
+        # An array's elements skip the column types' bind processing: StorableText's rule here.
+        for name in ("p_result", "p_error_detail", "e_reason"):
+            if row[name] is not None:
+                row[name] = storable_text(row[name])
+        return row
+
     async def _change(
         self,
         conn: AsyncConnection,
@@ -213,16 +265,6 @@ class PostgresLedger(LedgerStore):
             *(func.unnest(bindparam(f"a_{name}", type_=ARRAY(Text))).label(name) for name in _RECORD_ROW)
         ).cte("delivered")
         per_call = {name: delivered.c[name] for name in _RECORD_ROW}
-
-        def read_from_row(element: Any, **_options: Any) -> Any:
-            return per_call.get(element.key) if isinstance(element, BindParameter) else None
-
-        def from_row(expression: Any) -> Any:
-            clause: ColumnElement[Any] = (
-                expression if isinstance(expression, ColumnElement) else literal(expression)
-            )
-            return replacement_traverse(clause, {}, read_from_row)
-
         columns = {
             "session_id": bindparam("k_session_id"),
             "turn_id": bindparam("k_turn_id"),
@@ -231,7 +273,7 @@ class PostgresLedger(LedgerStore):
         }
         recorded = (
             postgresql.insert(tool_calls)
-            .from_select(list(columns), select(*(from_row(value) for value in columns.values())))
+            .from_select(list(columns), select(*(_read_from(value, per_call) for value in columns.values())))
             .on_conflict_do_nothing()
             .returning(tool_calls)
             .cte("recorded")
@@ -259,6 +301,61 @@ class PostgresLedger(LedgerStore):
         )
         logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, events).cte("logged")
         return select(recorded).add_cte(logged)
+
+    def _build_complete_many(self) -> Select[Any]:
+        """``COMPLETE`` for the outcomes in the array parameters ``a_<name>`` (one element per
+        call, ``_COMPLETE_ROW``): each call's target, result and token read from its row of
+        the arrays instead of the one-call statement's parameters, each with its event."""
+        given = select(
+            *(
+                func.unnest(
+                    bindparam(f"a_{name}", type_=ARRAY(BigInteger if name == "p_token" else Text))
+                ).label(name)
+                for name in _COMPLETE_ROW
+            )
+        ).cte("given")
+        row_of = {name: given.c[name] for name in _COMPLETE_ROW}
+        source = CallStatus.RUNNING.value
+        (succeeded, failed) = COMPLETE
+        assert succeeded.sources == failed.sources == frozenset({CallStatus.RUNNING})
+        columns = {**changes(succeeded), "status": given.c.p_status}
+        changed = (
+            tool_calls.update()
+            .where(
+                tool_calls.c.session_id == given.c.k_session_id,
+                tool_calls.c.turn_id == given.c.k_turn_id,
+                tool_calls.c.call_id == given.c.k_call_id,
+                tool_calls.c.status == source,
+                *(_read_from(clause, row_of) for clause in fenced(succeeded)),
+            )
+            .values({name: _read_from(value, row_of) for name, value in columns.items()})
+            .returning(tool_calls)
+            .cte("changed")
+        )
+        events = select(
+            changed.c.session_id,
+            changed.c.turn_id,
+            changed.c.call_id,
+            utc_now(),
+            bindparam("e_actor", type_=String),
+            literal(succeeded.event, String),
+            literal(source, String),
+            changed.c.status,
+            changed.c.lease_token,
+            given.c.e_reason,
+            null(),
+        ).join_from(
+            changed,
+            given,
+            and_(
+                changed.c.session_id == given.c.k_session_id,
+                changed.c.turn_id == given.c.k_turn_id,
+                changed.c.call_id == given.c.k_call_id,
+                changed.c.lease_token == given.c.p_token,
+            ),
+        )
+        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, events).cte("logged")
+        return select(changed).add_cte(logged)
 
     def _build_change(self, transition: Transition, allowed: tuple[str, ...]) -> Select[Any]:
         if len(allowed) == 1:
@@ -376,6 +473,31 @@ async def _outcome_of(write: Awaitable[Recorded]) -> Recorded | BaseException:
         return await write
     except Exception as error:  # this call's own, handed to its caller
         return error
+
+
+def _read_from(expression: Any, row: Mapping[str, ColumnElement[Any]]) -> ColumnElement[Any]:
+    """``expression`` (a one-call statement's value or condition) with each bind parameter
+    named in ``row`` replaced by that column: the per-call value read from a row of arrays."""
+    clause: ColumnElement[Any] = expression if isinstance(expression, ColumnElement) else literal(expression)
+
+    def replace(element: Any, **_options: Any) -> Any:
+        return row.get(element.key) if isinstance(element, BindParameter) else None
+
+    return replacement_traverse(clause, {}, replace)  # type: ignore[no-any-return]
+
+
+_COMPLETE_ROW = (
+    "k_session_id",
+    "k_turn_id",
+    "k_call_id",
+    "p_token",
+    "p_status",
+    "p_result",
+    "p_error_stage",
+    "p_error_detail",
+    "e_reason",
+)
+"""What differs between the outcomes of one ``complete_many``: an array each."""
 
 
 _RECORD_ROW = (
