@@ -100,3 +100,32 @@ async def test_stream__asked_for_some_types__yields_only_those(emulator: Emulato
         "agent.session.requires_action",
         "agent.session.turn.completed",
     ]
+
+
+async def test_streams_of_many_sessions__spread_over_the_pools_each_open_at_once(
+    emulator: EmulatorServer,
+) -> None:
+    """Each followed session holds a connection: the streams are spread over several pools
+    (a pool looks over all its connections for each stream it opens), a session's always in
+    the same one, and every stream delivers its own session's events."""
+    ids = await start_sessions(emulator, 40, Script.of_calls([("charge", {"amount": 1})]))
+    gateway = AgentsGateway.connect(api_key=None, base_url=emulator.base_url)
+    first_event: dict[str, str] = {}
+    try:
+        pools = {id(gateway.stream_client_for(s)) for s in ids}
+        assert len(pools) > len(ids) // 8, "the streams share a few pools"
+        assert all(gateway.stream_client_for(s) is gateway.stream_client_for(s) for s in ids)
+
+        async def first(session_id: str) -> None:
+            async with gateway.events(
+                session_id, idle_timeout=10, types=frozenset({"agent.session.requires_action"})
+            ) as events:
+                async for event in events:
+                    assert isinstance(event, AgentSessionRequiresActionEvent)
+                    first_event[session_id] = event.session.id
+                    return
+
+        await asyncio.wait_for(asyncio.gather(*(first(s) for s in ids)), 30)
+    finally:
+        await gateway.close()
+    assert first_event == {s: s for s in ids}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -38,6 +39,9 @@ MAX_RETRY_AFTER = 60.0
 CONNECT_TIMEOUT = 10.0
 CHECK_TIMEOUT = 10.0
 DISCOVERY_PAGE = 100
+STREAM_POOLS = 16
+"""Connection pools the event streams are spread over (each followed session holds a
+connection): a pool looks over all its connections for each stream it opens."""
 
 
 class AgentsGateway:
@@ -47,19 +51,17 @@ class AgentsGateway:
         self,
         client: AsyncOpenAI,
         *,
-        stream_client: AsyncOpenAI | None = None,
+        stream_clients: Sequence[AsyncOpenAI] = (),
         attempts: int = 6,
         race_attempts: int = 4,
         initial_wait: float = 0.1,
         max_wait: float = 2.0,
     ) -> None:
-        """``stream_client``: the client whose connections hold the sessions' event streams
-        (``client`` itself when None)."""
+        """``stream_clients``: the clients whose connections hold the sessions' event streams,
+        each session's always in the same one (``client`` itself when none)."""
         # One retry policy, here: the SDK's own retries would hide attempts from the ledger.
         self.client = client.with_options(max_retries=0)
-        self.stream_client = (
-            self.client if stream_client is None else stream_client.with_options(max_retries=0)
-        )
+        self.stream_clients = [c.with_options(max_retries=0) for c in stream_clients] or [self.client]
         self._attempts = attempts
         self._race_attempts = race_attempts
         self._initial_wait = initial_wait
@@ -71,25 +73,39 @@ class AgentsGateway:
         connection for as long as it is followed (the SDK's default pool, 1,000 connections,
         would make the thousand-and-first session wait for ever), and the requests', kept
         apart because the pool looks over every connection it holds for each request it
-        sends (with a thousand streams in it, that look was a tenth of a busy serve's CPU)."""
+        sends (with a thousand streams in it, that look was a tenth of a busy serve's CPU).
+        For the same reason the streams are spread over ``STREAM_POOLS`` pools: opening a
+        stream looks over its own pool's connections only."""
         hooks = {"response": [_crash_when_submission_accepted]} if crashpoints.armed() else {}
         key = api_key or "unused-by-the-emulator"
         requests = DefaultAsyncHttpxClient(
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200), event_hooks=hooks
         )
-        streams = DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=0)
-        )
+        streams = [
+            KeepAliveTolerantClient(
+                api_key=key,
+                base_url=base_url,
+                http_client=DefaultAsyncHttpxClient(
+                    limits=httpx2.Limits(max_connections=None, max_keepalive_connections=0)
+                ),
+            )
+            for _ in range(STREAM_POOLS)
+        ]
         return cls(
             KeepAliveTolerantClient(api_key=key, base_url=base_url, http_client=requests),
-            stream_client=KeepAliveTolerantClient(api_key=key, base_url=base_url, http_client=streams),
+            stream_clients=streams,
             **policy,
         )
 
     async def close(self) -> None:
         await self.client.close()
-        if self.stream_client is not self.client:
-            await self.stream_client.close()
+        for stream_client in self.stream_clients:
+            if stream_client is not self.client:
+                await stream_client.close()
+
+    def stream_client_for(self, session_id: str) -> AsyncOpenAI:
+        """The client whose pool holds ``session_id``'s event stream (always the same one)."""
+        return self.stream_clients[zlib.crc32(session_id.encode()) % len(self.stream_clients)]
 
     async def submit_tool_result(
         self,
@@ -211,7 +227,7 @@ class AgentsGateway:
         connection cannot stall a session for ever.
         """
         try:
-            stream = await self.stream_client.beta.agents.sessions.events.stream(
+            stream = await self.stream_client_for(session_id).beta.agents.sessions.events.stream(
                 session_id, timeout=httpx2.Timeout(idle_timeout, connect=CONNECT_TIMEOUT)
             )
         except openai.NotFoundError as error:
