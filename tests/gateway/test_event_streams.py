@@ -1,21 +1,19 @@
 """The gateway's connections against the emulator over HTTP: a stream that carries keep-alive
 comments between events must stay open (a real service sends them on idle streams); each event
 is built as the variant its type names, its calls as function calls; many sessions' streams
-and requests at once are spread and bounded."""
+are spread over several connection pools."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 
-import httpx2
 import pytest
-from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from openai.types.beta import AgentSessionRequiresActionEvent
 
 from tests.support.workload import start_sessions
 from toolledger.emulator import EmulatorServer, Script
-from toolledger.gateway.agents import REQUESTS_IN_FLIGHT, AgentsGateway, FunctionCallAction
+from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 
 
 @pytest.fixture
@@ -132,44 +130,3 @@ async def test_streams_of_many_sessions__spread_over_the_pools_each_open_at_once
     finally:
         await gateway.close()
     assert first_event == {s: s for s in ids}
-
-
-class _CountingTransport(httpx2.AsyncHTTPTransport):
-    """The real transport, counting the requests it carries at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0
-        self.most = 0
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        self.now += 1
-        self.most = max(self.most, self.now)
-        try:
-            response = await super().handle_async_request(request)
-            await response.aread()
-            return response
-        finally:
-            self.now -= 1
-
-
-async def test_many_requests_at_once__at_most_requests_in_flight_reach_the_api(
-    emulator: EmulatorServer,
-) -> None:
-    """After a restart a thousand sessions are read and answered at once: the gateway sends a
-    bounded number at a time (its pool then keeps that many connections, not hundreds), and
-    every request is answered."""
-    ids = await start_sessions(emulator, 3 * REQUESTS_IN_FLIGHT, Script.of_calls([("charge", {"amount": 1})]))
-    transport = _CountingTransport()
-    client = AsyncOpenAI(
-        api_key="sk-test",
-        base_url=emulator.base_url,
-        http_client=DefaultAsyncHttpxClient(transport=transport),
-    )
-    gateway = AgentsGateway(client)
-    try:
-        sessions = await asyncio.wait_for(asyncio.gather(*(gateway.retrieve(s) for s in ids)), 60)
-    finally:
-        await gateway.close()
-    assert [session.id for session in sessions] == ids
-    assert REQUESTS_IN_FLIGHT // 2 <= transport.most <= REQUESTS_IN_FLIGHT

@@ -202,6 +202,30 @@ async def test_outcomes_stored_together__a_failure_a_late_result_and_odd_text_ea
     assert (await store.events(late))[-1].reason == "late result of the only run, after its lease expired"
 
 
+async def test_a_call_completed_twice_in_one_batch__stored_once_with_one_event(engine: AsyncEngine) -> None:
+    """Two outcomes of one call under the same token in one batch: the first is stored, the
+    second is refused (fenced) as it would be one after the other; one event, the first's."""
+    store = LedgerStore(engine, actor=ACTOR)
+    key, other = new_key(), new_key()
+    await asyncio.gather(record(store, key), record(store, other))
+
+    first, second, alongside = await asyncio.gather(
+        store.complete(key, 1, succeeded(key, "first")),
+        store.complete(key, 1, failed(key, "second", FailureStage.EXECUTION)),
+        store.complete(other, 1, succeeded(other, "other")),
+        return_exceptions=True,
+    )
+
+    assert not isinstance(first, BaseException)
+    assert first.result == succeeded(key, "first").payload_json()
+    assert isinstance(second, FencedError)
+    assert not isinstance(alongside, BaseException) and alongside.status is CallStatus.SUCCEEDED
+    assert [(e.to_status, e.reason) for e in await store.events(key)] == [
+        ("running", "recorded and claimed"),
+        ("succeeded", "handler returned"),
+    ]
+
+
 async def test_submitted_marks_made_together__share_one_commit_and_each_has_its_event(
     engine: AsyncEngine,
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -41,10 +40,6 @@ MAX_RETRY_AFTER = 60.0
 CONNECT_TIMEOUT = 10.0
 CHECK_TIMEOUT = 10.0
 DISCOVERY_PAGE = 100
-REQUESTS_IN_FLIGHT = 64
-"""Requests (submissions, reads) in flight at once; the others wait their turn here. A pool
-looks over all its connections, probing each idle one, for every request it sends: after a
-restart a thousand sessions' requests at once kept hundreds open (5% of the loop)."""
 STREAM_POOLS = 16
 """Connection pools the event streams are spread over (each followed session holds a
 connection): a pool looks over all its connections for each stream it opens."""
@@ -68,7 +63,6 @@ class AgentsGateway:
         # One retry policy, here: the SDK's own retries would hide attempts from the ledger.
         self.client = client.with_options(max_retries=0)
         self.stream_clients = [c.with_options(max_retries=0) for c in stream_clients] or [self.client]
-        self._in_flight = asyncio.Semaphore(REQUESTS_IN_FLIGHT)
         self._attempts = attempts
         self._race_attempts = race_attempts
         self._initial_wait = initial_wait
@@ -86,8 +80,7 @@ class AgentsGateway:
         hooks = {"response": [_crash_when_submission_accepted]} if crashpoints.armed() else {}
         key = api_key or "unused-by-the-emulator"
         requests = DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=REQUESTS_IN_FLIGHT),
-            event_hooks=hooks,
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=200), event_hooks=hooks
         )
         streams = [
             KeepAliveTolerantClient(
@@ -174,13 +167,12 @@ class AgentsGateway:
                     # replaces the key): JSON read back from the ledger, which the SDK's
                     # per-field transform of typed input would copy unchanged at 2.7 ms a
                     # request of ten (8% of a recovering serve's loop).
-                    async with self._in_flight:
-                        await self.client.beta.agents.sessions.events.create(
-                            session_id,
-                            events=_NO_TYPED_EVENTS,
-                            idempotency_key=idempotency_key,
-                            extra_body={"events": list(payloads)},
-                        )
+                    await self.client.beta.agents.sessions.events.create(
+                        session_id,
+                        events=_NO_TYPED_EVENTS,
+                        idempotency_key=idempotency_key,
+                        extra_body={"events": list(payloads)},
+                    )
         except _REFUSED_CREDENTIALS as error:
             # Not these results' fault: nothing is recorded against the calls.
             raise _auth_error(error) from error
@@ -213,8 +205,7 @@ class AgentsGateway:
 
     async def retrieve(self, session_id: str) -> AgentSession:
         try:
-            async with self._in_flight:
-                return await self.client.beta.agents.sessions.retrieve(session_id)
+            return await self.client.beta.agents.sessions.retrieve(session_id)
         except openai.NotFoundError as error:
             raise SessionGoneError(f"session {session_id} not found") from error
         except _REFUSED_CREDENTIALS as error:

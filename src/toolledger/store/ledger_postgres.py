@@ -172,11 +172,16 @@ class PostgresLedger(LedgerStore):
     ) -> Sequence[CallRecord | BaseException]:
         """Outcomes ready together, stored by ONE statement, each fenced by its own token; one
         its token no longer holds (or whose lease ran out meanwhile) is then tried alone, as
-        ``_complete`` does for one call."""
+        ``_complete`` does for one call. A call's second outcome in the batch goes alone too:
+        the statement changes a row once, with one event."""
         if len(completions) == 1:
             return [await self._alone(completions[0], self._complete)]
+        # Sent in the order of their keys, as ``_together`` writes a transaction's rows.
+        first: dict[CallKey, int] = {}
+        for index in sorted(range(len(completions)), key=lambda i: completions[i].key):
+            first.setdefault(completions[index].key, index)
+        per_call = [self._completion_row(completions[index]) for index in first.values()]
         statement = self._prepared(("complete_many",), self._build_complete_many)
-        per_call = [self._completion_row(c) for c in completions]
         values = {
             **{f"a_{name}": [row[name] for row in per_call] for name in _COMPLETE_ROW},
             "e_actor": self.actor,
@@ -189,11 +194,14 @@ class PostgresLedger(LedgerStore):
                 raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
             log.warning("storing %d outcomes together failed (%s): one by one", len(completions), error)
             return [await self._alone(c, self._complete) for c in completions]
-        stored = {(call.key, call.lease_token): call for call in map(call_record, rows)}
+        stored = {call.key: call for call in map(call_record, rows)}
         results: list[CallRecord | BaseException] = []
-        for completion in completions:
-            call = stored.pop((completion.key, completion.token), None)
-            results.append(call if call is not None else await self._alone(completion, self._complete))
+        for index, completion in enumerate(completions):
+            call = stored.get(completion.key)
+            if call is not None and first[completion.key] == index and call.lease_token == completion.token:
+                results.append(call)
+            else:
+                results.append(await self._alone(completion, self._complete))
         return results
 
     def _completion_row(self, completion: Completion) -> dict[str, Any]:

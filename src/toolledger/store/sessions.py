@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -22,7 +22,6 @@ from sqlalchemy.sql.elements import ColumnElement
 from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
 from toolledger.domain.states import CallStatus, EffectClass
-from toolledger.store.batching import WriteBatcher
 from toolledger.store.engine import (
     single_write,
     uninterrupted_on_sqlite,
@@ -33,19 +32,11 @@ from toolledger.store.engine import (
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
 
 
-class _Polled(NamedTuple):
-    session_id: str
-    status: str | None
-    last_event_id: str | None
-
-
 @uninterrupted_on_sqlite
 class SessionStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        # One flush at a time: two flushes' multi-row updates could lock rows in opposite orders.
-        self._polled: WriteBatcher[_Polled, None] = WriteBatcher(self._polled_together)
 
     # ---------------------------------------------------------------- watching
 
@@ -101,29 +92,12 @@ class SessionStore:
     async def mark_polled(
         self, session_id: str, *, status: str | None, last_event_id: str | None = None
     ) -> None:
-        """A reconcile of the session ended: when, and the status it read. Sessions reconciled
-        at the same moment (a thousand after a restart) are marked by one statement per
-        status, not one each."""
-        await self._polled.add(_Polled(session_id, status, last_event_id))
-
-    async def _polled_together(self, marks: Sequence[_Polled]) -> list[None]:
-        same: dict[tuple[str | None, str | None], set[str]] = {}
-        for mark in marks:
-            same.setdefault((mark.status, mark.last_event_id), set()).add(mark.session_id)
-        writing = single_write(self.engine) if len(same) == 1 else write_transaction(self.engine)
-        async with writing as conn:
-            for (status, last_event_id), session_ids in same.items():
-                values: dict[str, Any] = {
-                    "last_polled_at": utc_now(),
-                    "status": status,
-                    "updated_at": utc_now(),
-                }
-                if last_event_id is not None:
-                    values["last_event_id"] = last_event_id
-                await conn.execute(
-                    sessions.update().where(sessions.c.session_id.in_(sorted(session_ids))).values(**values)
-                )
-        return [None] * len(marks)
+        values: dict[str, Any] = {"last_polled_at": utc_now(), "status": status, "updated_at": utc_now()}
+        if last_event_id is not None:
+            values["last_event_id"] = last_event_id
+        # After every reconcile: one statement, committed by itself.
+        async with single_write(self.engine) as conn:
+            await conn.execute(sessions.update().where(sessions.c.session_id == session_id).values(**values))
 
     # ------------------------------------------------------------------ leases
 
