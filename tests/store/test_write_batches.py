@@ -219,7 +219,8 @@ async def test_a_call_completed_twice_in_one_batch__stored_once_with_one_event(e
     assert not isinstance(first, BaseException)
     assert first.result == succeeded(key, "first").payload_json()
     assert isinstance(second, FencedError)
-    assert not isinstance(alongside, BaseException) and alongside.status is CallStatus.SUCCEEDED
+    assert not isinstance(alongside, BaseException)
+    assert alongside.status is CallStatus.SUCCEEDED
     assert [(e.to_status, e.reason) for e in await store.events(key)] == [
         ("running", "recorded and claimed"),
         ("succeeded", "handler returned"),
