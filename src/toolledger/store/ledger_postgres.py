@@ -146,15 +146,10 @@ class PostgresLedger(LedgerStore):
             "p_owner": self.owner,
             **self._event_params(RECORDED_REASON),
         }
-        try:
-            async with self._autocommit.connect() as conn:
-                rows = await statement.rows(conn, values)
-        except Exception as error:
-            if is_transient(error):
-                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
-            log.warning("recording %d calls together failed (%s): one by one", len(news), error)
+        calls = await self._rows_together(statement, values, "recording", len(news))
+        if calls is None:
             return [await _outcome_of(self._record_new(new)) for new in news]
-        claimed = {row_call.key: row_call for row_call in map(call_record, rows)}
+        claimed = {call.key: call for call in calls}
         recorded: list[Recorded | BaseException] = []
         for new in news:
             if new.key in claimed and first[new.key] is new:
@@ -186,15 +181,10 @@ class PostgresLedger(LedgerStore):
             **{f"a_{name}": [row[name] for row in per_call] for name in _COMPLETE_ROW},
             "e_actor": self.actor,
         }
-        try:
-            async with self._autocommit.connect() as conn:
-                rows = await statement.rows(conn, values)
-        except Exception as error:
-            if is_transient(error):
-                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
-            log.warning("storing %d outcomes together failed (%s): one by one", len(completions), error)
+        calls = await self._rows_together(statement, values, "storing the outcomes of", len(completions))
+        if calls is None:
             return [await self._alone(c, self._complete) for c in completions]
-        stored = {call.key: call for call in map(call_record, rows)}
+        stored = {call.key: call for call in calls}
         results: list[CallRecord | BaseException] = []
         for index, completion in enumerate(completions):
             call = stored.get(completion.key)
@@ -203,6 +193,22 @@ class PostgresLedger(LedgerStore):
             else:
                 results.append(await self._alone(completion, self._complete))
         return results
+
+    async def _rows_together(
+        self, statement: PreparedStatement, values: dict[str, Any], doing: str, count: int
+    ) -> list[CallRecord] | None:
+        """``statement`` for ``count`` calls at once, in autocommit: the calls it wrote; None
+        when it failed for another reason than the database being away (the caller then
+        writes them one by one, so that a bad call fails alone)."""
+        try:
+            async with self._autocommit.connect() as conn:
+                rows = await statement.rows(conn, values)
+        except Exception as error:
+            if is_transient(error):
+                raise  # each caller's retry decides (an ambiguous commit is theirs to resolve)
+            log.warning("%s %d calls together failed (%s): one by one", doing, count, error)
+            return None
+        return [call_record(row) for row in rows]
 
     def _completion_row(self, completion: Completion) -> dict[str, Any]:
         """A ``complete_many`` row: the one-call statement's parameters for ``completion``."""
