@@ -41,6 +41,8 @@ CP_DURING_RECOVERY = "during_recovery"
 """Recovery has expired leases and is about to settle and submit."""
 CP_DURING_RECONCILE = "during_reconcile"
 """The reconciler has read a session's open calls from the ledger; nothing is settled yet."""
+CP_AFTER_APPROVAL = "after_approval"
+"""An operator's approval is committed (the call ``pending``); nothing has claimed it yet."""
 CP_INSIDE_HANDLER = "inside_handler"
 """For test tools: mid side effect."""
 
@@ -57,6 +59,7 @@ ALL_POINTS = frozenset(
         CP_AFTER_BATCH_OUTCOMES,
         CP_DURING_RECOVERY,
         CP_DURING_RECONCILE,
+        CP_AFTER_APPROVAL,
         CP_INSIDE_HANDLER,
     }
 )

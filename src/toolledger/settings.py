@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     reconcile_interval_seconds: float = Field(
         default=60.0, gt=0, description="How often `serve` reconciles every session it owns."
     )
+    decision_poll_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often `serve` looks for calls an operator approved, denied or re-opened "
+        "from elsewhere (the CLI, the HTTP API, the web view), to run or answer them.",
+    )
     shutdown_grace_seconds: float = Field(
         default=30.0,
         ge=0,

@@ -348,6 +348,8 @@ def test_handle_actions_compare_equal_to_their_strings() -> None:
         "refused_arguments_mismatch",
         "fenced",
         "left_for_service",
+        "waiting_for_approval",
+        "approval_expired",
         "nothing_to_do",
         "error",
         "interrupted",

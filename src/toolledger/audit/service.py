@@ -30,9 +30,17 @@ from toolledger.audit.views import (
     event_view,
     session_view,
 )
+from toolledger.crashpoints import CP_AFTER_APPROVAL, crash_point
+from toolledger.domain.keys import ArgumentsRefused, arguments_fingerprint, arguments_text, parse_arguments
 from toolledger.domain.queries import CallQuery, CallReference, QueryError
 from toolledger.domain.records import CallRecord
-from toolledger.domain.results import TOOL_ERROR_MAX_CHARS, FailureStage, failed, succeeded
+from toolledger.domain.results import (
+    DENIED_PREFIX,
+    TOOL_ERROR_MAX_CHARS,
+    FailureStage,
+    failed,
+    succeeded,
+)
 from toolledger.domain.states import CallStatus
 from toolledger.domain.submissions import SubmitOutcome
 from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
@@ -98,6 +106,32 @@ class Resolution:
             raise QueryError(f"an error message must be 1 to {TOOL_ERROR_MAX_CHARS} characters")
 
 
+class NotAwaitingApprovalError(ToolLedgerError):
+    """Only a call awaiting approval can be approved or denied (or the approval names other
+    arguments than the call's)."""
+
+    code = "not_awaiting_approval"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A person's approval or denial of a call awaiting approval."""
+
+    operator: str
+    reason: str
+    arguments_sha256: str | None = None
+    """The fingerprint of the arguments the person saw (``CallView.arguments_sha256``): the
+    decision is refused if the call's are other. None: whatever the call holds."""
+    amended_arguments: str | None = None
+    """Approval only: JSON arguments the handler receives instead of the model's."""
+
+    def __post_init__(self) -> None:
+        if not self.operator.strip() or len(self.operator) > MAX_OPERATOR_CHARS:
+            raise QueryError(f"operator must be 1 to {MAX_OPERATOR_CHARS} characters")
+        if not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
+            raise QueryError(f"a reason (1 to {MAX_REASON_CHARS} characters) is required")
+
+
 class ResolveAction(StrEnum):
     """What resolving an ``unknown`` call came to: every value a ``ResolveReport`` carries."""
 
@@ -112,7 +146,9 @@ class ResolveAction(StrEnum):
     RERUN = "rerun"
     """Run again here, and its result sent."""
     LEFT_FOR_SERVICE = "left_for_service"
-    """Re-opened for ``serve`` to run (no tools here, or another worker took it first)."""
+    """Re-opened (or approved) for ``serve`` to run (no tools here, or another worker took it first)."""
+    RAN = "ran"
+    """Approved, run here, and its result sent."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +285,77 @@ class AuditService:
         latest = await self.find_one(CallReference(key=call.key))
         return ResolveReport(call_view(latest, self.redactor), action)
 
+    async def approve(self, reference: str | CallReference, decision: Decision) -> ResolveReport:
+        """Let a call awaiting approval run (with amended arguments, if given), on the record;
+        then run it here when this process has the tools, else ``serve`` runs it."""
+        call = await self._awaiting(reference, decision, "approved")
+        amended_text = amended_sha256 = None
+        if decision.amended_arguments is not None:
+            try:
+                amended = parse_arguments(decision.amended_arguments, self.settings.max_arguments_bytes)
+            except ArgumentsRefused as error:
+                raise QueryError(f"amended arguments refused: {error}") from None
+            amended_text, amended_sha256 = arguments_text(amended), arguments_fingerprint(amended)
+        store = self.runtime.ledger_store(actor=f"operator:{decision.operator}")
+        approved = await store.approve(
+            call.key,
+            decided_by=decision.operator,
+            reason=f"approved by {decision.operator}: {decision.reason}",
+            amended_arguments=amended_text,
+            amended_sha256=amended_sha256,
+        )
+        if approved is None:
+            raise NotAwaitingApprovalError(f"call {call.key} was decided by someone else first: look again")
+        crash_point(CP_AFTER_APPROVAL)
+        if self.registry is None:
+            return ResolveReport(call_view(approved, self.redactor), ResolveAction.LEFT_FOR_SERVICE)
+        try:
+            report = await self._executor(store).handle_recorded(approved)
+            action = _rerun_action(report, ran=ResolveAction.RAN)
+        except AgentsAuthError as error:
+            action = _refused_submission(call, error)
+        latest = await self.find_one(CallReference(key=call.key))
+        return ResolveReport(call_view(latest, self.redactor), action)
+
+    async def deny(self, reference: str | CallReference, decision: Decision) -> ResolveReport:
+        """Answer a call awaiting approval with the person's reason as a failure the model can
+        act on, on the record, and send it."""
+        if decision.amended_arguments is not None:
+            raise QueryError("a denial takes no arguments")
+        most = TOOL_ERROR_MAX_CHARS - len(DENIED_PREFIX)
+        if len(decision.reason) > most:
+            raise QueryError(f"a denial's reason is sent to the model: at most {most} characters")
+        call = await self._awaiting(reference, decision, "denied")
+        store = self.runtime.ledger_store(actor=f"operator:{decision.operator}")
+        outcome = failed(call.key, DENIED_PREFIX + self.redactor.text(decision.reason), FailureStage.APPROVAL)
+        denied = await store.deny(
+            call.key,
+            outcome,
+            decided_by=decision.operator,
+            reason=f"denied by {decision.operator}: {decision.reason}",
+        )
+        if denied is None:
+            raise NotAwaitingApprovalError(f"call {call.key} was decided by someone else first: look again")
+        try:
+            action = _RESOLVE_ACTIONS[await self._executor(store).submit(denied, listed=False)]
+        except AgentsAuthError as error:
+            action = _refused_submission(call, error)
+        latest = await self.find_one(CallReference(key=call.key))
+        return ResolveReport(call_view(latest, self.redactor), action)
+
+    async def _awaiting(self, reference: str | CallReference, decision: Decision, verb: str) -> CallRecord:
+        call = await self.find_one(reference)
+        if call.status is not CallStatus.AWAITING_APPROVAL:
+            raise NotAwaitingApprovalError(
+                f"call {call.key} is {call.status.value}: only a call awaiting approval can be {verb}"
+            )
+        if decision.arguments_sha256 is not None and decision.arguments_sha256 != call.arguments_sha256:
+            raise NotAwaitingApprovalError(
+                f"call {call.key}: its arguments (sha256 {call.arguments_sha256}) are not those "
+                f"{verb} (sha256 {decision.arguments_sha256}): look again"
+            )
+        return call
+
     async def prune(self, older_than: timedelta, *, dry_run: bool = False, progress: Any = None) -> int:
         if older_than <= timedelta(0):
             raise QueryError("older-than must be a positive duration")
@@ -268,10 +375,11 @@ class AuditService:
         )
 
 
-def _rerun_action(report: HandleReport) -> ResolveAction:
-    """A re-run's handling told as a resolution: every ``HandleAction`` lands on one."""
+def _rerun_action(report: HandleReport, *, ran: ResolveAction = ResolveAction.RERUN) -> ResolveAction:
+    """A re-run's (or an approved run's: ``ran``) handling told as a resolution: every
+    ``HandleAction`` lands on one."""
     if report.submission is SubmitOutcome.SUBMITTED:
-        return ResolveAction.RERUN
+        return ran
     if report.submission is not None:
         return _RESOLVE_ACTIONS[report.submission]
     if report.status is CallStatus.ABANDONED:

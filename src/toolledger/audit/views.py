@@ -49,6 +49,19 @@ class CallView(BaseModel):
     abandoned_reason: str | None
     lease_owner: str | None
     lease_expires_at: Utc | None
+    arguments_sha256: str = Field(
+        description="Fingerprint of the arguments as the model sent them: an approval names it, so "
+        "that it approves exactly the arguments the approver saw."
+    )
+    needs_approval: bool = Field(description="Waits for a person's approval: approve or deny it.")
+    approval_expires_at: Utc | None = Field(
+        description='When a call awaiting approval is answered "not approved in time"; null: never.'
+    )
+    approval_decided_by: str | None = Field(description="Who approved or denied it (toolledger: expired).")
+    approval_decided_at: Utc | None
+    approved_arguments: Any = Field(
+        description="Arguments the approver amended (what the handler received), masked; null if none."
+    )
 
 
 class EventView(BaseModel):
@@ -131,6 +144,14 @@ def call_view(call: CallRecord, redactor: Redactor) -> CallView:
         abandoned_reason=_text(call.abandoned_reason, redactor),
         lease_owner=call.lease_owner,
         lease_expires_at=call.lease_expires_at,
+        arguments_sha256=call.arguments_sha256,
+        needs_approval=call.status.value == "awaiting_approval",
+        approval_expires_at=call.approval_expires_at,
+        approval_decided_by=call.approval_decided_by,
+        approval_decided_at=call.approval_decided_at,
+        approved_arguments=(
+            masked_json(call.approved_arguments, redactor) if call.approved_arguments is not None else None
+        ),
     )
 
 

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
 
-    from toolledger.audit.service import AuditService, Resolution, ResolveReport
+    from toolledger.audit.service import AuditService, Decision, Resolution, ResolveReport
     from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView
     from toolledger.domain.keys import CallKey
     from toolledger.domain.records import SessionRecord
@@ -647,12 +647,13 @@ class ProgressLine:
 
 
 RESOLVE_MESSAGES = {
-    "submitted": "resolved, and its result was submitted: the session has it",
-    "abandoned": "resolved, but the session no longer awaits it: abandoned",
-    "submit_failed": "resolved; the submission failed for now and is retried by `toolledger serve`",
-    "not_sent": "resolved; no Agents API is configured here, `toolledger serve` submits it",
+    "submitted": "{verb}, and its result was submitted: the session has it",
+    "abandoned": "{verb}, but the session no longer awaits it: abandoned",
+    "submit_failed": "{verb}; the submission failed for now and is retried by `toolledger serve`",
+    "not_sent": "{verb}; no Agents API is configured here, `toolledger serve` submits it",
     "rerun": "ran again here, and its result was submitted",
-    "left_for_service": "re-opened: `toolledger serve` runs it again (or another worker took it first)",
+    "left_for_service": "re-opened or approved: `toolledger serve` runs it (or another worker took it first)",
+    "ran": "approved, run here, and its result submitted",
 }
 
 
@@ -724,7 +725,129 @@ def resolve_call(
     registry = load_tools(tools_reference) if tools_reference is not None else None
     settings = settings_from(database_url=database_url, openai_base_url=base_url)
     configure_logging(log_level, settings)
-    report = execute(_resolve(settings, reference, resolution, registry))
+    _print_report(execute(_resolve(settings, reference, resolution, registry)), as_json, "resolved")
+
+
+async def _resolve(
+    settings: Settings, reference: str, resolution: Resolution, registry: ToolRegistry | None
+) -> ResolveReport:
+    async with audit_service(settings, registry=registry) as service:
+        return await service.resolve(reference, resolution)
+
+
+# -------------------------------------------------------------- approve / deny
+
+_DECISION_OPTIONS = [
+    click.argument("reference"),
+    click.option("--reason", required=True, help="Why (kept in the audit trail)."),
+    click.option("--operator", default=None, help="Who decides (default: $USER or the login name)."),
+    click.option(
+        "--sha256",
+        "arguments_sha256",
+        default=None,
+        help="The arguments' fingerprint you looked at (`calls show`): refused if the call's are other.",
+    ),
+    click.option("--json", "as_json", is_flag=True, help='Print {"action": ..., "call": ...} as JSON.'),
+    database_option,
+    base_url_option,
+    click.option("--log-level", type=LOG_LEVELS, default="warning", show_default=True),
+]
+
+
+def _decision_options(command: Callable[..., None]) -> Callable[..., None]:
+    for option in reversed(_DECISION_OPTIONS):
+        command = option(command)
+    return command
+
+
+@calls.command("approve")
+@_decision_options
+@click.option(
+    "--arguments",
+    "amended_arguments",
+    default=None,
+    help="JSON object: amended arguments the handler receives instead of the model's (both are kept).",
+)
+@click.option(
+    "--tools",
+    "tools_reference",
+    default=None,
+    envvar="TOOLLEDGER_TOOLS",
+    help="The application's tools, to run the call here (else `serve` runs it within a second).",
+)
+def approve_call(
+    reference: str,
+    reason: str,
+    operator: str | None,
+    arguments_sha256: str | None,
+    as_json: bool,
+    database_url: str | None,
+    base_url: str | None,
+    log_level: str,
+    amended_arguments: str | None,
+    tools_reference: str | None,
+) -> None:
+    """Approve a call awaiting approval: it runs once (here with --tools, else in `serve`)."""
+    decision = _decision(reference, reason, operator, arguments_sha256, amended_arguments)
+    registry = load_tools(tools_reference) if tools_reference is not None else None
+    settings = settings_from(database_url=database_url, openai_base_url=base_url)
+    configure_logging(log_level, settings)
+    _print_report(execute(_decide(settings, "approve", reference, decision, registry)), as_json, "approved")
+
+
+@calls.command("deny")
+@_decision_options
+def deny_call(
+    reference: str,
+    reason: str,
+    operator: str | None,
+    arguments_sha256: str | None,
+    as_json: bool,
+    database_url: str | None,
+    base_url: str | None,
+    log_level: str,
+) -> None:
+    """Deny a call awaiting approval: it never runs; the model gets your reason as its failure."""
+    decision = _decision(reference, reason, operator, arguments_sha256, None)
+    settings = settings_from(database_url=database_url, openai_base_url=base_url)
+    configure_logging(log_level, settings)
+    _print_report(execute(_decide(settings, "deny", reference, decision, None)), as_json, "denied")
+
+
+def _decision(
+    reference: str, reason: str, operator: str | None, arguments_sha256: str | None, amended: str | None
+) -> Decision:
+    from toolledger.audit.service import Decision
+
+    for hint, value in (
+        ("REFERENCE", reference),
+        ("--reason", reason),
+        ("--operator", operator),
+        ("--sha256", arguments_sha256),
+        ("--arguments", amended),
+    ):
+        _check_text(value, hint)
+    try:
+        return Decision(
+            operator=operator if operator is not None else _login_name(),
+            reason=reason,
+            arguments_sha256=arguments_sha256,
+            amended_arguments=amended,
+        )
+    except QueryError as error:
+        raise click.UsageError(str(error)) from None
+
+
+async def _decide(
+    settings: Settings, verb: str, reference: str, decision: Decision, registry: ToolRegistry | None
+) -> ResolveReport:
+    async with audit_service(settings, registry=registry) as service:
+        if verb == "approve":
+            return await service.approve(reference, decision)
+        return await service.deny(reference, decision)
+
+
+def _print_report(report: ResolveReport, as_json: bool, verb: str) -> None:
     if as_json:
         import json
 
@@ -733,16 +856,9 @@ def resolve_call(
         )
         return
     call = report.call
-    message = RESOLVE_MESSAGES[report.action]
+    message = RESOLVE_MESSAGES[report.action].format(verb=verb)
     click.echo(f"{call.session_id}/{call.turn_id}/{call.call_id}: {message}")
     click.echo(f"action: {report.action}; status: {call.status}")
-
-
-async def _resolve(
-    settings: Settings, reference: str, resolution: Resolution, registry: ToolRegistry | None
-) -> ResolveReport:
-    async with audit_service(settings, registry=registry) as service:
-        return await service.resolve(reference, resolution)
 
 
 def _login_name() -> str:

@@ -35,6 +35,13 @@ class CallRecord:
     submission_count: int
     last_submission_error: str | None
     abandoned_reason: str | None
+    approval_expires_at: datetime | None = None
+    approval_decided_by: str | None = None
+    approval_decided_at: datetime | None = None
+    approved_arguments: str | None = None
+    """Arguments amended by the approver: what the handler receives (``arguments`` keeps
+    what the model sent)."""
+    approved_arguments_sha256: str | None = None
 
     @property
     def payload(self) -> dict[str, Any] | None:

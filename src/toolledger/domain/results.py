@@ -23,6 +23,8 @@ UNKNOWN_OUTCOME_MESSAGE = (
     "The tool's outcome is unknown after an interruption; it was not run again. Do not assume it succeeded."
 )
 POISON_MESSAGE = "Tool handler failed repeatedly and was given up."
+NOT_APPROVED_IN_TIME_MESSAGE = "Not run: the call was not approved in time."
+DENIED_PREFIX = "Not run: an operator denied the call: "
 TOOL_ERROR_MAX_CHARS = 500
 
 
@@ -33,6 +35,7 @@ class FailureStage(StrEnum):
     TIMEOUT = "timeout"
     OUTPUT = "output"
     RECOVERY = "recovery"
+    APPROVAL = "approval"
 
 
 class ToolError(Exception):

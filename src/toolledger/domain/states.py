@@ -22,6 +22,9 @@ class CallStatus(StrEnum):
     """The result was accepted by the Agents API (``confirmed_at`` once it left required_actions)."""
     ABANDONED = "abandoned"
     """No longer awaited by the session before a result was submitted."""
+    AWAITING_APPROVAL = "awaiting_approval"
+    """Recorded for a tool that needs a person's approval: not run until approved (then
+    ``pending``), denied or expired (then ``failed``)."""
 
 
 UNCONFIRMED_ALERT_AFTER = 5
@@ -65,16 +68,44 @@ class Transition:
 
 
 _OUTCOME_COLUMNS = frozenset({"result", "error_stage", "error_detail", "finished_at", "lease_expires_at"})
+_RECORDED_COLUMNS = frozenset(
+    {"tool_name", "arguments", "arguments_sha256", "effect_class", "idempotency_key", "created_at"}
+)
+_DECISION_COLUMNS = frozenset({"approval_decided_by", "approval_decided_at"})
 _LEASE_COLUMNS = frozenset({"lease_token", "attempt_count", "lease_owner", "lease_expires_at", "started_at"})
 
-RECORD = Transition(
-    "record",
-    frozenset(),
-    CallStatus.RUNNING,
-    _LEASE_COLUMNS
-    | {"tool_name", "arguments", "arguments_sha256", "effect_class", "idempotency_key", "created_at"},
-)
+RECORD = Transition("record", frozenset(), CallStatus.RUNNING, _LEASE_COLUMNS | _RECORDED_COLUMNS)
 """A delivered call recorded and claimed in one commit (commit point 1)."""
+
+RECORD_FOR_APPROVAL = Transition(
+    "record_for_approval",
+    frozenset(),
+    CallStatus.AWAITING_APPROVAL,
+    _RECORDED_COLUMNS | {"approval_expires_at"},
+)
+"""A delivered call of a tool that needs approval, recorded and not claimed: nothing runs
+until a person approves it."""
+
+APPROVE = Transition(
+    "approve",
+    frozenset({CallStatus.AWAITING_APPROVAL}),
+    CallStatus.PENDING,
+    _DECISION_COLUMNS | {"approved_arguments", "approved_arguments_sha256"},
+    event="approval",
+)
+"""A person approved the call (bound to the fingerprint of the arguments they saw, and
+perhaps with amended arguments): it may now be claimed, once. The claim that runs it moves it
+on, so no second claim can run it on the same approval."""
+
+DENY = Transition(
+    "deny",
+    frozenset({CallStatus.AWAITING_APPROVAL}),
+    CallStatus.FAILED,
+    _OUTCOME_COLUMNS | _DECISION_COLUMNS,
+    event="approval",
+)
+"""Denied by a person (the model gets their reason), or not approved in time (a fixed text):
+a failure result, stored and then submitted like any other."""
 
 CLAIM = Transition(
     "claim", frozenset({CallStatus.PENDING, CallStatus.UNKNOWN}), CallStatus.RUNNING, _LEASE_COLUMNS
@@ -139,7 +170,15 @@ SUBMIT = Transition(
 
 ABANDON = Transition(
     "abandon",
-    frozenset({CallStatus.PENDING, CallStatus.RUNNING, CallStatus.UNKNOWN, *RESULT_STATUSES}),
+    frozenset(
+        {
+            CallStatus.PENDING,
+            CallStatus.RUNNING,
+            CallStatus.UNKNOWN,
+            CallStatus.AWAITING_APPROVAL,
+            *RESULT_STATUSES,
+        }
+    ),
     CallStatus.ABANDONED,
     frozenset({"abandoned_reason", "lease_expires_at"}),
 )
@@ -147,6 +186,9 @@ ABANDON = Transition(
 
 TRANSITIONS: tuple[Transition, ...] = (
     RECORD,
+    RECORD_FOR_APPROVAL,
+    APPROVE,
+    DENY,
     CLAIM,
     *COMPLETE,
     *COMPLETE_LATE,

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from toolledger.domain.records import CallRecord
 from toolledger.domain.results import (
+    NOT_APPROVED_IN_TIME_MESSAGE,
     POISON_MESSAGE,
     UNKNOWN_OUTCOME_MESSAGE,
     FailureStage,
@@ -25,6 +26,9 @@ from toolledger.settings import Settings
 
 VERIFY_RETRY_SECONDS = 5.0
 """A verify hook that could not tell (its downstream away) is asked again after this."""
+APPROVAL_WAKE_MARGIN = 0.25
+"""Seconds past an approval's deadline before looking again (the deadline is the database's
+moment; a look exactly at it could find it a hair short)."""
 
 
 class HandleAction(StrEnum):
@@ -51,6 +55,10 @@ class HandleAction(StrEnum):
     """The lease was lost while the handler ran: its result was refused."""
     LEFT_FOR_SERVICE = "left_for_service"
     """This process runs no handlers (``reconcile`` without ``--tools``)."""
+    WAITING_FOR_APPROVAL = "waiting_for_approval"
+    """The tool needs a person's approval: ``toolledger calls approve`` or ``deny``."""
+    APPROVAL_EXPIRED = "approval_expired"
+    """Not approved within the tool's ``approval_timeout``: a fixed failure was sent."""
     NOTHING_TO_DO = "nothing_to_do"
     """The call is over (abandoned)."""
     ERROR = "error"
@@ -140,7 +148,15 @@ class AskOperator:
     """Seconds after which to look again."""
 
 
-Decision = Report | Resubmit | TakeOver | Claim | Verify | Settle | AskOperator
+@dataclass(frozen=True)
+class ExpireApproval:
+    """Not approved in time: store the fixed failure instead of running, then send it."""
+
+    outcome: Outcome
+    reason: str
+
+
+Decision = Report | Resubmit | TakeOver | Claim | Verify | Settle | AskOperator | ExpireApproval
 
 
 # ------------------------------------------------------------------ deciding
@@ -184,6 +200,10 @@ def decide(
         # Still awaited well after an accepted submission: send the same bytes again; the
         # Idempotency-Key makes the service apply them once at most.
         return Resubmit(unconfirmed=True)
+    if call.status is CallStatus.AWAITING_APPROVAL:
+        # Decided by the call alone (its deadline is in the row): a process without the
+        # tools' code can end the wait as well as one with it.
+        return _awaiting_approval(call, now)
     if not policy.run_handlers and call.status in (
         CallStatus.PENDING,
         CallStatus.UNKNOWN,
@@ -227,6 +247,17 @@ def _unknown(
             f"gave up after {call.attempt_count} attempts",
         )
     return Claim(CallStatus.UNKNOWN, f"re-run after an unknown outcome ({effect.value})", HandleAction.RERUN)
+
+
+def _awaiting_approval(call: CallRecord, now: datetime) -> Report | ExpireApproval:
+    if call.approval_expires_at is None:
+        return Report(HandleAction.WAITING_FOR_APPROVAL)
+    left = seconds_between(now, call.approval_expires_at)
+    if left <= 0:
+        return ExpireApproval(
+            failed(call.key, NOT_APPROVED_IN_TIME_MESSAGE, FailureStage.APPROVAL), "not approved in time"
+        )
+    return Report(HandleAction.WAITING_FOR_APPROVAL, retry_in=left + APPROVAL_WAKE_MARGIN)
 
 
 def _wait_or_give_up(tool: RegisteredTool | None, call: CallRecord, now: datetime) -> Settle | AskOperator:

@@ -36,6 +36,7 @@ from toolledger.logs import log_fields
 from toolledger.runtime.decider import (
     AskOperator,
     Claim,
+    ExpireApproval,
     HandleAction,
     Policy,
     Report,
@@ -177,9 +178,12 @@ class Executor:
                 return HandleReport(key, HandleAction.LEFT_FOR_SERVICE, None)
             return await self._continue(known, listing_may_be_stale=listing_may_be_stale)
         tool = self.registry.get(delivered.tool_name)
-        recorded = await self.ledger.record(
-            delivered, tool.effect if tool is not None else EffectClass.UNREGISTERED
-        )
+        if tool is not None and tool.gated and self._needs_approval(tool, delivered):
+            recorded = await self.ledger.record_for_approval(delivered, tool.effect, tool.approval_timeout)
+        else:
+            recorded = await self.ledger.record(
+                delivered, tool.effect if tool is not None else EffectClass.UNREGISTERED
+            )
         if recorded.arguments_mismatch:
             log.warning("call %s redelivered with other arguments: refused", key)
             return HandleReport(key, HandleAction.REFUSED_ARGUMENTS_MISMATCH, recorded.call.status)
@@ -187,6 +191,26 @@ class Executor:
             crash_point(CP_AFTER_CLAIM_COMMIT)
             return await self._run_and_submit(tool, recorded.call, HandleAction.EXECUTED, delivered)
         return await self._continue(recorded.call, listing_may_be_stale=listing_may_be_stale)
+
+    def _needs_approval(self, tool: RegisteredTool, delivered: DeliveredCall) -> bool:
+        """Whether this call waits for a person. Arguments that cannot be read run nothing
+        (the call fails on them), so they need no one's approval; a rule that raises is
+        answered "yes": a gate must not open because its rule is broken."""
+        if delivered.arguments is None:
+            return False
+        rule = tool.approval
+        if isinstance(rule, bool):
+            return rule
+        try:
+            return bool(rule(dict(delivered.arguments), self.handlers.context_for(tool, delivered.key)))
+        except Exception as error:
+            log.warning(
+                "call %s: the approval rule of %s raised %s: it waits for approval",
+                delivered.key,
+                tool.name,
+                type(error).__name__,
+            )
+            return True
 
     async def recover(self) -> RecoveryReport:
         """Pick up every call a crash or a lost connection left behind."""
@@ -276,6 +300,9 @@ class Executor:
             case Settle(outcome=outcome, reason=reason):
                 settled = await self.store.settle(call.key, outcome, reason=reason)
                 return await self._submitted_report(call, settled, HandleAction.SETTLED)
+            case ExpireApproval(outcome=outcome, reason=reason):
+                denied = await self.store.deny(call.key, outcome, decided_by="toolledger", reason=reason)
+                return await self._submitted_report(call, denied, HandleAction.APPROVAL_EXPIRED)
             case AskOperator(deadline_in=deadline_in, retry_in=retry_in):
                 self._ask_operator(call, deadline_in)
                 return HandleReport(
@@ -379,6 +406,9 @@ class Executor:
         """The arguments the handler gets: as read from the delivery just recorded, or else
         from the stored text (after a crash only that is left: a refused call's preview is
         refused too). Raises ArgumentsRefused."""
+        if call.approved_arguments is not None:
+            # Amended by the person who approved the call: what they approved is what runs.
+            return parse_arguments(call.approved_arguments, self.settings.max_arguments_bytes)
         if delivered is not None and delivered.key == call.key:
             if delivered.refused is not None:
                 raise delivered.refused

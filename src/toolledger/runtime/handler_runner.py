@@ -133,15 +133,19 @@ class HandlerRunner:
         return Verified(VerifyAnswer.EXECUTED, succeeded(call.key, output))
 
     def context(self, tool: RegisteredTool, call: CallRecord) -> ToolContext:
+        return self.context_for(tool, call.key, attempt=call.attempt_count)
+
+    def context_for(self, tool: RegisteredTool, key: CallKey, *, attempt: int = 0) -> ToolContext:
+        """A call's context before it is recorded (attempt 0), as an approval rule sees it."""
         return ToolContext(
-            key=call.key,
+            key=key,
             tool_name=tool.name,
-            attempt=call.attempt_count,
-            idempotency_key=call.idempotency_key,
+            attempt=attempt,
+            idempotency_key=key.idempotency_key,
             max_output_bytes=self.settings.max_output_bytes,
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"toolledger.tools.{tool.name}"),
-                {"session_id": call.key.session_id, "turn_id": call.key.turn_id, "call_id": call.key.call_id},
+                {"session_id": key.session_id, "turn_id": key.turn_id, "call_id": key.call_id},
             ),
         )
 

@@ -26,6 +26,8 @@ from toolledger.errors import RegistryError
 from toolledger.runtime.context import ToolContext, Verification, current_context, output_limit
 
 VerifyHook = Callable[[ToolContext], Verification | Awaitable[Verification]]
+ApprovalRule = Callable[[dict[str, Any], ToolContext], bool]
+"""Whether one call needs a person's approval, from its arguments and context."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
 
 
@@ -44,6 +46,16 @@ class RegisteredTool:
     result is submitted so the session is not stuck; None waits for ever."""
     is_async: bool
     max_attempts: int | None = None
+    approval: bool | ApprovalRule = False
+    """True (every call), or a rule telling which calls wait for a person's approval."""
+    approval_timeout: float | None = None
+    """Seconds a call waits for approval before the model gets a fixed "not approved in
+    time" failure; None waits for ever."""
+
+    @property
+    def gated(self) -> bool:
+        """Some of its calls may need approval."""
+        return self.approval is not False
 
     @property
     def name(self) -> str:
@@ -79,6 +91,8 @@ class ToolRegistry:
         unknown_deadline: float | None = None,
         defer_loading: bool = False,
         max_attempts: int | None = None,
+        approval: bool | ApprovalRule = False,
+        approval_timeout: float | None = None,
     ) -> Callable[[Callable[..., Any]], FunctionTool[Any]]: ...
 
     def tool(
@@ -96,6 +110,8 @@ class ToolRegistry:
         unknown_deadline: float | None = None,
         defer_loading: bool = False,
         max_attempts: int | None = None,
+        approval: bool | ApprovalRule = False,
+        approval_timeout: float | None = None,
     ) -> FunctionTool[Any] | Callable[[Callable[..., Any]], FunctionTool[Any]]:
         """Register a typed function (sync or async) as a tool; a ``ToolContext`` parameter
         receives the call's context and is left out of the schema.
@@ -109,7 +125,12 @@ class ToolRegistry:
         lease, before the model gets a fixed "outcome unknown" failure; without one the call
         waits for an operator (``toolledger calls resolve``) for as long as it takes.
         ``max_attempts``: claims before a re-runnable call is given up (default
-        ``TOOLLEDGER_MAX_ATTEMPTS``)."""
+        ``TOOLLEDGER_MAX_ATTEMPTS``).
+        ``approval``: True, or a rule ``(arguments, ctx) -> bool``: such a call is recorded
+        ``awaiting_approval`` and runs only once a person approves it (``toolledger calls
+        approve``); a rule that raises counts as "needs approval".
+        ``approval_timeout``: seconds it may wait for approval (default None: for ever) before
+        the model gets a fixed "not approved in time" failure."""
 
         def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
             handler = _handler_for(fn)
@@ -126,6 +147,8 @@ class ToolRegistry:
                 verify=verify,
                 unknown_deadline=unknown_deadline,
                 max_attempts=max_attempts,
+                approval=approval,
+                approval_timeout=approval_timeout,
             )
             return built
 
@@ -142,6 +165,8 @@ class ToolRegistry:
         verify: VerifyHook | None = None,
         unknown_deadline: float | None = None,
         max_attempts: int | None = None,
+        approval: bool | ApprovalRule = False,
+        approval_timeout: float | None = None,
     ) -> FunctionTool[Any]:
         """Register an SDK ``FunctionTool`` as it is (its handler may call ``current_context()``)."""
         if not isinstance(tool, FunctionTool):
@@ -157,6 +182,8 @@ class ToolRegistry:
             verify=verify,
             unknown_deadline=unknown_deadline,
             max_attempts=max_attempts,
+            approval=approval,
+            approval_timeout=approval_timeout,
         )
         return tool
 
@@ -192,6 +219,8 @@ class ToolRegistry:
         verify: VerifyHook | None,
         unknown_deadline: float | None,
         max_attempts: int | None,
+        approval: bool | ApprovalRule = False,
+        approval_timeout: float | None = None,
     ) -> None:
         declarable = [e.value for e in EffectClass if e is not EffectClass.UNREGISTERED]
         if effect not in declarable:
@@ -216,6 +245,14 @@ class ToolRegistry:
             raise RegistryError(f"tool {tool.name!r}: unknown_deadline must be >= 0")
         if max_attempts is not None and max_attempts < 1:
             raise RegistryError(f"tool {tool.name!r}: max_attempts must be >= 1")
+        if not isinstance(approval, bool) and not callable(approval):
+            raise RegistryError(
+                f"tool {tool.name!r}: approval must be True, False or a rule (arguments, ctx)"
+            )
+        if approval_timeout is not None and (approval is False or approval_timeout <= 0):
+            raise RegistryError(
+                f"tool {tool.name!r}: approval_timeout must be positive, and needs approval=True or a rule"
+            )
         self._tools[tool.name] = RegisteredTool(
             function_tool=tool,
             effect=effect_class,
@@ -226,6 +263,8 @@ class ToolRegistry:
             unknown_deadline=unknown_deadline,
             is_async=is_async,
             max_attempts=max_attempts,
+            approval=approval,
+            approval_timeout=approval_timeout,
         )
 
     def get(self, name: str) -> RegisteredTool | None:

@@ -64,6 +64,23 @@ class RetriedLedger:
         )
         return recorded
 
+    async def record_for_approval(
+        self, delivered: DeliveredCall, effect_class: EffectClass, approval_seconds: float | None
+    ) -> Recorded:
+        """Record a delivered call that waits for a person's approval (nothing is claimed: a
+        retry after an ambiguous commit simply finds it recorded)."""
+        async for attempt in self.retrying():
+            with attempt:
+                return await self.store.record_for_approval(
+                    delivered.key,
+                    tool_name=delivered.tool_name,
+                    arguments=delivered.text,
+                    fingerprint=delivered.fingerprint,
+                    effect_class=effect_class,
+                    approval_seconds=approval_seconds,
+                )
+        raise AssertionError("unreachable: the retry policy re-raises")
+
     async def claim(self, key: CallKey, source: CallStatus, reason: str) -> CallRecord | None:
         """A new lease on a recorded call; None when another worker has it."""
         claimed: CallRecord | None = await self._claiming(

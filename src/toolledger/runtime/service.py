@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
 from toolledger.errors import (
     AgentsAuthError,
@@ -60,6 +61,8 @@ together, a thousand streams kept every session's first reconcile waiting for te
 TURN_ENDS = frozenset(
     {"agent.session.turn.completed", "agent.session.turn.cancelled", "agent.session.turn.failed"}
 )
+ASK_AGAIN_AFTER = 10.0
+"""Seconds before a session is reconciled again for the same decided call."""
 EVENTS_ACTED_ON = TURN_ENDS | {"agent.session.requires_action", "agent.session.failed"}
 """What ``_on_event`` reads; the stream drops every other event unbuilt."""
 
@@ -162,6 +165,7 @@ class Service:
         self._loops = [
             asyncio.create_task(self._lease_loop(), name="session leases"),
             asyncio.create_task(self._reconcile_loop(), name="periodic reconcile"),
+            asyncio.create_task(self._decisions_loop(), name="operator decisions"),
         ]
         if self.settings.discover_metadata:
             self._loops.append(asyncio.create_task(self._discovery_loop(), name="session discovery"))
@@ -571,6 +575,28 @@ class Service:
                     self._request_reconcile(session_id)
             except Exception:
                 log_failure(log, "periodic reconcile failed; retrying")
+
+    async def _decisions_loop(self) -> None:
+        """An approval, a denial or a re-run decided in another process (the CLI, the API)
+        is acted on within a poll, not at the next periodic reconcile: a person who approves
+        a call expects it to run now. A session is asked for again only after a pause, so a
+        call that stays decided-but-unsent (its submission failing) does not spin."""
+        asked: dict[CallKey, float] = {}
+        while True:
+            await asyncio.sleep(self.settings.decision_poll_seconds)
+            try:
+                now = time.monotonic()
+                decided = await self.ledger.store.decided_calls()
+                for key in decided:
+                    if key.session_id in self._followers and now - asked.get(key, -ASK_AGAIN_AFTER) >= (
+                        ASK_AGAIN_AFTER
+                    ):
+                        asked[key] = now
+                        self._request_reconcile(key.session_id)
+                for key in [k for k in asked if k not in decided]:
+                    del asked[key]
+            except Exception:
+                log_failure(log, "looking for operators' decisions failed; retrying")
 
     async def _discovery_loop(self) -> None:
         metadata = self.settings.discover_metadata

@@ -29,13 +29,16 @@ from toolledger.crashpoints import CP_AFTER_BATCH_OUTCOMES, CP_AFTER_BATCH_RECOR
 from toolledger.domain.keys import CallKey, arguments_fingerprint, arguments_text
 from toolledger.domain.records import CallEvent, CallRecord, Recorded
 from toolledger.domain.redaction import DEFAULT_REDACTOR, Redactor
-from toolledger.domain.results import Outcome
+from toolledger.domain.results import FailureStage, Outcome
 from toolledger.domain.states import (
     ABANDON,
+    APPROVE,
     CLAIM,
     COMPLETE,
     COMPLETE_LATE,
+    DENY,
     EXPIRE,
+    RECORD_FOR_APPROVAL,
     REOPEN,
     RESULT_STATUSES,
     SETTLE,
@@ -59,6 +62,7 @@ from toolledger.store.transitions import (
     Note,
     changes,
     key_params,
+    record_insert,
 )
 
 log = logging.getLogger("toolledger.store")
@@ -194,6 +198,71 @@ class LedgerStore:
         if self.batching:
             return await self._records.add(new)
         return await self._record_new(new)
+
+    async def record_for_approval(
+        self,
+        key: CallKey,
+        *,
+        tool_name: str,
+        arguments: Any,
+        effect_class: EffectClass,
+        approval_seconds: float | None,
+        fingerprint: str | None = None,
+    ) -> Recorded:
+        """Record a delivered call that needs a person's approval: ``awaiting_approval``, not
+        claimed (nothing runs), its wait ending ``approval_seconds`` from now (None: never);
+        or find it recorded, as ``record`` does. Rare (a person decides each one): a write
+        of its own, never batched."""
+        if fingerprint is None:
+            fingerprint = arguments_fingerprint(arguments)
+        params = {
+            **key_params(key),
+            "p_tool_name": tool_name,
+            "p_arguments": arguments_text(arguments),
+            "p_sha256": fingerprint,
+            "p_effect_class": effect_class.value,
+            "p_idempotency_key": key.idempotency_key,
+            "p_approval_seconds": None if approval_seconds is None else float(approval_seconds),
+        }
+        insert = self._statement(
+            (RECORD_FOR_APPROVAL.name,), lambda: record_insert(self._dialect_insert(), RECORD_FOR_APPROVAL)
+        )
+        async with self._transaction() as conn:
+            row = (await conn.execute(insert, params)).first()
+            if row is None:
+                return await self._already_recorded(conn, key, fingerprint)
+            call = call_record(row)
+            await self._event(
+                conn, key, RECORD_FOR_APPROVAL.event, None, RECORD_FOR_APPROVAL.target, None, AWAITING_REASON
+            )
+            return Recorded(call=call, claimed=False)
+
+    async def approve(
+        self,
+        key: CallKey,
+        *,
+        decided_by: str,
+        reason: str,
+        amended_arguments: str | None = None,
+        amended_sha256: str | None = None,
+    ) -> CallRecord | None:
+        """A call awaiting approval may now run (``pending``), with ``amended_arguments`` if
+        given; None when it no longer awaits approval (decided by someone else first)."""
+        params = {
+            "p_decided_by": decided_by,
+            "p_approved_arguments": amended_arguments,
+            "p_approved_sha256": amended_sha256,
+        }
+        detail = None if amended_sha256 is None else f"amended arguments sha256={amended_sha256}"
+        return await self._transition(APPROVE, key, reason, params, detail=detail)
+
+    async def deny(
+        self, key: CallKey, outcome: Outcome, *, decided_by: str, reason: str
+    ) -> CallRecord | None:
+        """A call awaiting approval gets the failure ``outcome`` instead of running (denied by a
+        person, or not approved in time); None when it no longer awaits approval."""
+        params = {**self._outcome_params(outcome), "p_decided_by": decided_by}
+        return await self._transition(DENY, key, reason, params)
 
     async def claim(
         self,
@@ -485,6 +554,22 @@ class LedgerStore:
         async with self.engine.connect() as conn:
             return await call_events(conn, key)
 
+    async def decided_calls(self) -> set[CallKey]:
+        """Calls an operator decided elsewhere and nobody has acted on yet:
+        approved or re-opened (``pending``, claimable now), or denied (a failure stored by
+        the approval, not yet sent). Both are rare; the claimable index finds them."""
+        query = select(*KEY_COLUMNS).where(
+            or_(
+                tool_calls.c.status == CallStatus.PENDING.value,
+                and_(
+                    tool_calls.c.status == CallStatus.FAILED.value,
+                    tool_calls.c.error_stage == FailureStage.APPROVAL.value,
+                ),
+            )
+        )
+        async with self.engine.connect() as conn:
+            return {CallKey(*row) for row in await conn.execute(query)}
+
     async def in_states(
         self, statuses: Iterable[CallStatus], *, session_id: str | None = None, limit: int = 1000
     ) -> list[CallRecord]:
@@ -643,6 +728,12 @@ class LedgerStore:
         row = (await conn.execute(select(tool_calls).where(_where_key(key)))).first()
         return None if row is None else call_record(row)
 
+    def _dialect_insert(self) -> Callable[..., Any]:
+        """The database's own INSERT (it knows ON CONFLICT)."""
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        return postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+
     def _statement(self, shape: Hashable, build: Callable[[], Any]) -> Any:
         """A write statement built once per shape (building one costs more than running it)."""
         statement = self._statements.get(shape)
@@ -723,6 +814,7 @@ def require(call: CallRecord | None, what: str) -> CallRecord:
 
 
 RECORDED_REASON = "recorded and claimed"
+AWAITING_REASON = "recorded: awaiting a person's approval"
 
 
 def _claim_detail(claim_id: str | None) -> str | None:

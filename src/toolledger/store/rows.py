@@ -40,6 +40,12 @@ def call_record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
         submission_count=m["submission_count"],
         last_submission_error=m["last_submission_error"],
         abandoned_reason=m["abandoned_reason"],
+        # Rows of the hot path's own statements (store.prepared) carry only what they need.
+        approval_expires_at=m.get("approval_expires_at"),
+        approval_decided_by=m.get("approval_decided_by"),
+        approval_decided_at=m.get("approval_decided_at"),
+        approved_arguments=m.get("approved_arguments"),
+        approved_arguments_sha256=m.get("approved_arguments_sha256"),
     )
 
 

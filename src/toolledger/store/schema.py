@@ -91,8 +91,11 @@ _EFFECTS = ", ".join(f"'{e.value}'" for e in EffectClass)
 CLAIMABLE = ("pending", "running", "unknown", "succeeded", "failed")
 """States recovery scans for: a partial index keeps that scan flat as finished calls pile up."""
 
+AWAITED = (*CLAIMABLE, "awaiting_approval")
+"""States in which the session still awaits a call's result, besides submitted-unconfirmed."""
+
 OPEN_CALL_SQL = (
-    f"status IN ({', '.join(repr(s) for s in CLAIMABLE)}) OR (status = 'submitted' AND confirmed_at IS NULL)"
+    f"status IN ({', '.join(repr(s) for s in AWAITED)}) OR (status = 'submitted' AND confirmed_at IS NULL)"
 )
 """Calls the session may still be waiting on: start-up recovery looks for their sessions."""
 
@@ -105,7 +108,7 @@ serve): their result was accepted, or nobody awaits them any more."""
 def open_call_clause() -> ColumnElement[bool]:
     """``OPEN_CALL_SQL`` as an expression (bracketed, so it combines safely with others)."""
     return or_(
-        tool_calls.c.status.in_(CLAIMABLE),
+        tool_calls.c.status.in_(AWAITED),
         and_(tool_calls.c.status == CallStatus.SUBMITTED.value, tool_calls.c.confirmed_at.is_(None)),
     )
 
@@ -119,7 +122,7 @@ tool_calls = Table(
     Column("tool_name", String(255), nullable=False),
     Column("arguments", StorableText, nullable=False),
     Column("arguments_sha256", String(64), nullable=False),
-    Column("status", String(16), nullable=False),
+    Column("status", String(32), nullable=False),
     Column("effect_class", String(16), nullable=False),
     Column("idempotency_key", String(64), nullable=False, unique=True),
     Column("attempt_count", Integer, nullable=False, server_default=text("0")),
@@ -138,6 +141,13 @@ tool_calls = Table(
     Column("submission_count", Integer, nullable=False, server_default=text("0")),
     Column("last_submission_error", StorableText),
     Column("abandoned_reason", StorableText),
+    # Approval gates: when an unapproved call's wait ends, who decided and when, and the
+    # arguments an approver amended (what the handler then receives).
+    Column("approval_expires_at", UtcDateTime()),
+    Column("approval_decided_by", String(255)),
+    Column("approval_decided_at", UtcDateTime()),
+    Column("approved_arguments", StorableText),
+    Column("approved_arguments_sha256", String(64)),
     PrimaryKeyConstraint("session_id", "turn_id", "call_id"),
     CheckConstraint(f"status IN ({_STATUSES})", name="status"),
     CheckConstraint(f"effect_class IN ({_EFFECTS})", name="effect_class"),
@@ -208,8 +218,8 @@ tool_call_events = Table(
     Column("at", UtcDateTime(), nullable=False),
     Column("actor", String(255), nullable=False),
     Column("kind", String(32), nullable=False),
-    Column("from_status", String(16)),
-    Column("to_status", String(16)),
+    Column("from_status", String(32)),
+    Column("to_status", String(32)),
     Column("lease_token", BigInteger),
     Column("reason", StorableText),
     Column("detail", StorableText),

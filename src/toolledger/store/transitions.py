@@ -19,11 +19,14 @@ from sqlalchemy.sql.elements import ColumnElement
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import (
     ABANDON,
+    APPROVE,
     CLAIM,
     COMPLETE,
     COMPLETE_LATE,
+    DENY,
     EXPIRE,
     RECORD,
+    RECORD_FOR_APPROVAL,
     REOPEN,
     SETTLE,
     SUBMIT,
@@ -65,18 +68,32 @@ _OUTCOME: dict[str, Any] = {
     "lease_expires_at": None,
 }
 
+_RECORDED: dict[str, Any] = {
+    "tool_name": bindparam("p_tool_name"),
+    "arguments": bindparam("p_arguments"),
+    "arguments_sha256": bindparam("p_sha256"),
+    "effect_class": bindparam("p_effect_class"),
+    "idempotency_key": bindparam("p_idempotency_key"),
+    "created_at": utc_now(),
+}
+
+_DECIDED: dict[str, Any] = {
+    "approval_decided_by": bindparam("p_decided_by"),
+    "approval_decided_at": utc_now(),
+}
+
 WRITES: Mapping[str, Mapping[str, Any]] = {
-    RECORD.name: {
-        **_NEW_LEASE,
-        "tool_name": bindparam("p_tool_name"),
-        "arguments": bindparam("p_arguments"),
-        "arguments_sha256": bindparam("p_sha256"),
-        "effect_class": bindparam("p_effect_class"),
-        "idempotency_key": bindparam("p_idempotency_key"),
-        "lease_token": 1,
-        "attempt_count": 1,
-        "created_at": utc_now(),
+    RECORD.name: {**_NEW_LEASE, **_RECORDED, "lease_token": 1, "attempt_count": 1},
+    RECORD_FOR_APPROVAL.name: {
+        **_RECORDED,
+        "approval_expires_at": utc_after(bindparam("p_approval_seconds", type_=Float)),
     },
+    APPROVE.name: {
+        **_DECIDED,
+        "approved_arguments": bindparam("p_approved_arguments"),
+        "approved_arguments_sha256": bindparam("p_approved_sha256"),
+    },
+    DENY.name: {**_OUTCOME, **_DECIDED},
     CLAIM.name: {
         **_NEW_LEASE,
         "lease_token": tool_calls.c.lease_token + 1,
@@ -114,16 +131,17 @@ def fenced(transition: Transition) -> tuple[ColumnElement[bool], ...]:
     raise ValueError(f"transition {transition.name} is fenced by {transition.fencing}: not a keyed update")
 
 
-def record_insert(insert: Callable[..., Any]) -> Any:
-    """``RECORD``: a delivered call inserted running, unless its key or idempotency key is
-    already recorded (``insert``: the database's own, which knows ON CONFLICT)."""
+def record_insert(insert: Callable[..., Any], transition: Transition = RECORD) -> Any:
+    """``RECORD`` (a delivered call inserted running) or ``RECORD_FOR_APPROVAL``, unless its
+    key or idempotency key is already recorded (``insert``: the database's own, which knows
+    ON CONFLICT)."""
     return (
         insert(tool_calls)
         .values(
             session_id=bindparam("k_session_id"),
             turn_id=bindparam("k_turn_id"),
             call_id=bindparam("k_call_id"),
-            **changes(RECORD),
+            **changes(transition),
         )
         # No conflict target: the idempotency key is unique too, and a racing insert can
         # hit either constraint first; both mean "already recorded".
