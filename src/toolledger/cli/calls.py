@@ -514,6 +514,17 @@ def _print_detail(detail: CallDetail) -> None:
     if call.needs_operator:
         status = _plain(f"{call.status}: the outcome is unknown, resolve it with `toolledger calls resolve`")
         status.stylize("bold red")
+    if call.needs_approval:
+        status = _plain(
+            f"{call.status}: approve it with `toolledger calls approve {call.call_id} --sha256 "
+            f"{call.arguments_sha256}` or deny it with `toolledger calls deny`"
+        )
+        status.stylize("bold yellow")
+    decided = (
+        f"by {call.approval_decided_by} at {_precise(call.approval_decided_at)}"
+        if call.approval_decided_by and call.approval_decided_at
+        else None
+    )
     rows: list[tuple[str, Text | str | None]] = [
         ("call", f"{call.session_id}/{call.turn_id}/{call.call_id}"),
         ("id", call.id),
@@ -530,7 +541,16 @@ def _print_detail(detail: CallDetail) -> None:
         ("error", ": ".join(part for part in (call.error_stage, call.error_detail) if part) or None),
         ("abandoned", call.abandoned_reason),
         ("last submit error", call.last_submission_error),
+        ("approval until", _precise(call.approval_expires_at) if call.approval_expires_at else None),
+        ("approval decided", decided),
         ("arguments", json.dumps(call.arguments, indent=2, ensure_ascii=False)),
+        ("arguments sha256", call.arguments_sha256),
+        (
+            "approved arguments",
+            None
+            if call.approved_arguments is None
+            else json.dumps(call.approved_arguments, indent=2, ensure_ascii=False),
+        ),
         ("result", None if call.result is None else json.dumps(call.result, indent=2, ensure_ascii=False)),
     ]
     for name, value in rows:
