@@ -44,7 +44,9 @@ CP_DURING_RECONCILE = "during_reconcile"
 CP_AFTER_APPROVAL = "after_approval"
 """An operator's approval is committed (the call ``pending``); nothing has claimed it yet."""
 CP_INSIDE_HANDLER = "inside_handler"
-"""For test tools: mid side effect."""
+"""Mid side effect: a tool has just reported one to ``toolledger.testing`` (its effect
+probes pass this point, for the conformance check and for test tools); its handler has not
+returned."""
 
 ALL_POINTS = frozenset(
     {
@@ -81,6 +83,15 @@ _hits: dict[str, int] = {}
 
 def armed() -> bool:
     return bool(_armed)
+
+
+def arm(spec: str) -> None:
+    """Arm crash points from now on, as ``TOOLLEDGER_CRASH_AT`` would have at start: for a
+    process forked from one that imported this module unarmed (the conformance check's)."""
+    parsed = _parse(spec)
+    _armed.clear()
+    _armed.update(parsed)
+    _hits.clear()
 
 
 def crash_point(name: str) -> None:
