@@ -1,7 +1,7 @@
 """The ``toolledger`` command. Every flag can also be set as ``TOOLLEDGER_<COMMAND>_<FLAG>``.
 
 This folder owns the commands (``serve``, ``reconcile``, ``migrate``, ``status``,
-``sessions``, ``calls``, ``api``, ``config``, ``demo``, ``emulator``): their flags, output
+``sessions``, ``calls``, ``api``, ``config``, ``demo``, ``emulator``, ``check``): their flags, output
 and exit codes. What they run on comes from the composition root
 (``runtime.composition.Runtime``, through ``common.ledger_runtime``); nothing here builds an
 engine, a gateway or a store. The top layer: nothing in toolledger imports it.
@@ -22,6 +22,7 @@ import click
 
 from toolledger.cli.api import api
 from toolledger.cli.calls import calls
+from toolledger.cli.check import check
 from toolledger.cli.common import (
     LOG_LEVELS,
     base_url_option,
@@ -718,3 +719,4 @@ main.add_command(calls)
 main.add_command(api)
 main.add_command(config)
 main.add_command(demo)
+main.add_command(check)
