@@ -12,10 +12,40 @@ the tool's own code with ``testing.effect``) is held against the declared effect
 See docs/conformance.md.
 """
 
-from toolledger.testing.check import Report, assert_conforms, check_tools, reference_of
-from toolledger.testing.probe import effect, effect_in, seen
-from toolledger.testing.verdicts import CRASH_POINTS, NO_CRASH, PointResult, Status
-from toolledger.testing.workers import CheckError
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use: a tools module importing the probes (effect, seen) does not pay for
+# the check's machinery, nor the check for the runtime (its worker processes import that).
+_EXPORTS = {
+    "CRASH_POINTS": "toolledger.testing.verdicts",
+    "NO_CRASH": "toolledger.testing.verdicts",
+    "CheckError": "toolledger.testing.workers",
+    "PointResult": "toolledger.testing.verdicts",
+    "Report": "toolledger.testing.check",
+    "Status": "toolledger.testing.verdicts",
+    "assert_conforms": "toolledger.testing.check",
+    "check_tools": "toolledger.testing.check",
+    "effect": "toolledger.testing.probe",
+    "effect_in": "toolledger.testing.probe",
+    "reference_of": "toolledger.testing.check",
+    "seen": "toolledger.testing.probe",
+}
+
+if TYPE_CHECKING:
+    from toolledger.testing.check import Report, assert_conforms, check_tools, reference_of
+    from toolledger.testing.probe import effect, effect_in, seen
+    from toolledger.testing.verdicts import CRASH_POINTS, NO_CRASH, PointResult, Status
+    from toolledger.testing.workers import CheckError
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'toolledger.testing' has no attribute {name!r}")
+
 
 __all__ = [
     "CRASH_POINTS",

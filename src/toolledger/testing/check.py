@@ -13,6 +13,7 @@ a run takes about a second, most of it the dead worker's lease running out.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -25,13 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from importlib.machinery import PathFinder
 from pathlib import Path
 from queue import Queue
 from typing import TYPE_CHECKING, Any
 
 from toolledger.domain.states import EffectClass
 from toolledger.testing.examples import ExampleError, arguments_for
-from toolledger.testing.jobs import API_KEY, Job
 from toolledger.testing.verdicts import (
     CRASH_POINTS,
     NO_CRASH,
@@ -41,7 +42,7 @@ from toolledger.testing.verdicts import (
     Status,
     judge,
 )
-from toolledger.testing.workers import CheckError, JobTimeout, Workers
+from toolledger.testing.workers import API_KEY, CheckError, Job, JobTimeout, Workers
 from toolledger.testing.world import World
 
 if TYPE_CHECKING:
@@ -150,11 +151,14 @@ def check_tools(
     ``keep``: a directory to keep every run's ledger, outside world and logs in.
     ``progress``: called with each result as it comes.
     """
+    if not hasattr(os, "fork"):
+        raise CheckError("the check forks and SIGKILLs its workers: it runs on Linux or macOS only")
     if jobs < 1:
         raise CheckError("jobs must be at least 1", param="--jobs")
     if timeout <= 0:
         raise CheckError("timeout must be positive", param="--timeout")
     reference = registry if isinstance(registry, str) else reference_of(registry)
+    _findable(reference)
     crash_points = _chosen_points(points)
     started = time.monotonic()
     with ExitStack() as stack:
@@ -167,12 +171,13 @@ def check_tools(
         base_url, control, client = _agents_api(stack, emulator_url)
         pool: Queue[Workers] = Queue()
         for workers in forkservers:
-            described = workers.ready()
+            workers.ready()
             pool.put(workers)
-        first = forkservers[0]
-        chosen = _chosen_tools(described, tools)
+        chosen = _chosen_tools(forkservers[0].ready(), tools)
+        if not chosen:
+            raise CheckError(f"{reference} holds no tools to check", param="--tools")
         arguments = _arguments(chosen, examples)
-        template = _template(first, workdir)
+        template = _template(forkservers[0], workdir)
         check = _Check(workdir, template, base_url, control, client, timeout, progress)
         results = check.all(pool, jobs, chosen, arguments, crash_points)
     return Report(
@@ -212,6 +217,29 @@ def reference_of(registry: ToolRegistry) -> str:
 
 
 # ------------------------------------------------------------------ set-up
+
+
+def _findable(reference: str) -> None:
+    """Refuse at once a reference whose module is nowhere to be found (a typo, mostly),
+    without importing it: the worker processes do that, and take seconds to say so."""
+    module, _, attribute = reference.partition(":")
+    if not module or not attribute:
+        raise CheckError(f"expected package.module:attribute, got {reference!r}", param="--tools")
+    parts = module.split(".")
+    # As the tools' loading does: the current directory is importable too.
+    locations = [*sys.path, os.getcwd()]
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        loaded = sys.modules.get(name)
+        if loaded is not None and loaded.__spec__ is None:
+            return  # cannot tell without importing: the worker processes will
+        spec = loaded.__spec__ if loaded is not None else PathFinder.find_spec(name, locations)
+        if spec is None:
+            raise CheckError(f"no module named {module!r} (from {reference!r})", param="--tools")
+        if depth < len(parts):
+            locations = list(spec.submodule_search_locations or [])
+            if not locations:
+                raise CheckError(f"{name!r} is not a package (from {reference!r})", param="--tools")
 
 
 def _chosen_points(points: Iterable[str] | None) -> tuple[str, ...]:
@@ -285,12 +313,22 @@ def _agents_api(stack: ExitStack, url: str | None) -> tuple[str, EmulatorControl
         control = EmulatorControl(url)
         stack.callback(control.close)
     client = stack.enter_context(OpenAI(base_url=url, api_key=API_KEY, max_retries=2))
+    # The SDK builds its session types on first use (a second or more): now, while the
+    # forkservers import, rather than in the first run. The empty script calls nothing.
+    client.beta.agents.sessions.create(
+        environment={"type": "none"},
+        agent={"model": "emulated"},
+        metadata={"emulator_script": '{"steps": []}'},
+        input="toolledger check: warming up",
+    )
     return url, control, client
 
 
 def _template(workers: Workers, workdir: Path) -> Path:
     """A migrated ledger with the effects table: each run starts from a copy."""
     path = workdir / "template.sqlite3"
+    for stale in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+        stale.unlink(missing_ok=True)
     job = Job(
         kind="prepare",
         database_url=_sqlite_url(path),
@@ -354,7 +392,8 @@ class _Check:
                 self._skip_tool(results, described, crash_points, given)
             else:
                 runnable.append(self._scripted(described, given))
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="toolledger-check") as runs:
+        runs = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="toolledger-check")
+        try:
             baselines = [(tool, runs.submit(self._run_with, pool, tool, NO_CRASH, None)) for tool in runnable]
             crash_runs = []
             # A tool's crash runs start as soon as its baseline is in, beside the others' baselines.
@@ -372,6 +411,9 @@ class _Check:
             for pending in crash_runs:
                 result, _ = pending.result()
                 results[(result.tool, result.point)] = result
+        finally:
+            # After whatever stopped the check (its forkserver gone, Ctrl-C) no run starts.
+            runs.shutdown(wait=True, cancel_futures=True)
         order = {described["name"]: number for number, described in enumerate(tools)}
         return sorted(results.values(), key=lambda r: (order[r.tool], POINTS.index(r.point)))
 
@@ -426,9 +468,13 @@ class _Check:
         self, workers: Workers, tool: _Tool, point: str, baseline: Observation | None
     ) -> tuple[PointResult, Observation]:
         directory = self.workdir / tool.name / point
-        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)  # a kept directory's earlier check
+        directory.mkdir(parents=True)
         ledger = directory / "ledger.sqlite3"
         shutil.copyfile(self.template, ledger)
+        wal = self.template.with_name(f"{self.template.name}-wal")
+        if wal.exists():  # closed, so normally folded into the file; if not, it is part of it
+            shutil.copyfile(wal, ledger.with_name(f"{ledger.name}-wal"))
         world = World(directory / "world.sqlite3").create()
         session_id, turn_id, call_id = self._session(tool)
         job = Job(

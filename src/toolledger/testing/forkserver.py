@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Any, TextIO
 
@@ -27,7 +28,8 @@ from toolledger import crashpoints
 from toolledger.errors import ToolLedgerError
 from toolledger.runtime.loading import load_registry
 from toolledger.runtime.registry import ToolRegistry
-from toolledger.testing.jobs import Job, recording_answers, run_job
+from toolledger.testing.jobs import recording_answers, run_job
+from toolledger.testing.workers import Job
 
 PRELOADED = (
     "toolledger.gateway.agents",
@@ -90,7 +92,11 @@ def _child(job: Job, registry: ToolRegistry, channel: TextIO) -> None:
         )
         logging.getLogger(__name__).info("job %s (crash at %s)", job.kind, job.crash_at or "no point")
         crashpoints.arm(job.crash_at or "")
+        started = time.monotonic()
         run_job(job, registry)
+        logging.getLogger(__name__).info(
+            "job %s done in %.2fs (%.2fs of CPU)", job.kind, time.monotonic() - started, time.process_time()
+        )
         code = 0
     except BaseException:
         traceback.print_exc()

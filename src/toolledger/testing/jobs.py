@@ -13,7 +13,7 @@ import inspect
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +29,12 @@ from toolledger.store import check_effects
 from toolledger.store import migrate as migrations
 from toolledger.store.engine import create_engine
 from toolledger.testing import probe
+from toolledger.testing.workers import API_KEY, Job
 
 LEASE_SECONDS = 0.5
 """A killed worker's claim lapses this soon, so the recovery need not wait long."""
 RECOVERY_SECONDS = 10.0
 """How long the recovery waits for the dead worker's lease to lapse (on the ledger's clock)."""
-API_KEY = "sk-toolledger-check"  # the emulator takes any key
-
-
-@dataclass(frozen=True)
-class Job:
-    kind: str
-    """``prepare``, ``run`` or ``recover``."""
-    database_url: str
-    out: str
-    """Where the job writes what it found (JSON)."""
-    log: str
-    """Where the process's output and logs go."""
-    base_url: str = ""
-    session_id: str = ""
-    turn_id: str = ""
-    call_id: str = ""
-    world: str = ""
-    crash_at: str | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def key(self) -> CallKey:
-        return CallKey(self.session_id, self.turn_id, self.call_id)
 
 
 def run_job(job: Job, registry: ToolRegistry) -> None:

@@ -22,7 +22,6 @@ from typing import Any
 
 from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
 from toolledger.runtime.context import ToolContext, current_context
-from toolledger.store.check_effects import is_async_connection, write_effect
 from toolledger.testing.world import World
 
 _world: World | None = None
@@ -63,8 +62,10 @@ def effect_in(db: Any, name: str = "effect") -> Any:
     ``AsyncConnection`` there); in a sync one it is done when it returns."""
     if db is None:
         raise TypeError("effect_in() needs ctx.db, the ledger's connection: only transactional tools get one")
-    world = _world
-    if world is None:
+    # SQLAlchemy, when a transactional tool reports: not for every module importing the probes.
+    from toolledger.store.check_effects import is_async_connection, write_effect
+
+    if _world is None:
         return _nothing() if is_async_connection(db) else None
     call = _running_call()
     written = write_effect(

@@ -11,14 +11,41 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from toolledger.domain.keys import CallKey
 from toolledger.errors import ToolLedgerError
 
+API_KEY = "sk-toolledger-check"  # the emulator takes any key
 START_SECONDS = 120.0
 """How long the forkserver may take to import toolledger and the application's tools."""
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str
+    """``prepare``, ``run`` or ``recover``."""
+    database_url: str
+    out: str
+    """Where the job writes what it found (JSON)."""
+    log: str
+    """Where the process's output and logs go."""
+    base_url: str = ""
+    session_id: str = ""
+    turn_id: str = ""
+    call_id: str = ""
+    world: str = ""
+    crash_at: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def key(self) -> CallKey:
+        return CallKey(self.session_id, self.turn_id, self.call_id)
 
 
 class CheckError(ToolLedgerError):
