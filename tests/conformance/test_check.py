@@ -170,7 +170,8 @@ def test_cli_check__contradiction_exits_1_with_a_json_report() -> None:
 
 def test_cli_check__tools_keeping_their_word_exit_0(tmp_path: Path) -> None:
     examples = tmp_path / "examples.json"
-    examples.write_text(json.dumps({"ship": {"order_id": "B2"}}), encoding="utf-8")
+    # An example for a tool not checked this time is fine (one file serves the whole registry).
+    examples.write_text(json.dumps({"ship": {"order_id": "B2"}, "charge": {"cents": 5}}), encoding="utf-8")
 
     completed = toolledger(
         "--tools",
@@ -189,7 +190,7 @@ def test_cli_check__tools_keeping_their_word_exit_0(tmp_path: Path) -> None:
     assert lines[0].split() == ["ship", "no_crash", "ok", "1", "side", "effect,", "answered"]
     assert sorted(line.split()[1] for line in lines[1:3]) == ["after_result_commit", "after_submit_response"]
     assert lines[1].endswith("ok             the stored result was sent again; the tool was not re-run")
-    assert lines[-1].startswith("every tool keeps its word: 3 ok, in ")
+    assert lines[-1].startswith("every tool keeps its word: 3 ok in ")
     # --keep: the killed worker's and the recovery's logs, the ledger and the outside world.
     kept = tmp_path / "runs" / "ship" / "after_result_commit"
     assert {p.name for p in kept.iterdir()} >= {
@@ -264,3 +265,10 @@ def test_cli_check__examples_that_are_not_an_object__exit_2(tmp_path: Path) -> N
 
     assert completed.returncode == 2
     assert "expected an object of arguments per tool" in completed.stderr
+
+
+def test_cli_check__offers_exactly_the_kit_s_crash_points() -> None:
+    from toolledger.cli.check import POINT_NAMES
+    from toolledger.testing import CRASH_POINTS
+
+    assert POINT_NAMES == CRASH_POINTS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,8 +83,8 @@ def check(
     effect class promises (e.g. "declared idempotent: 2 side effects seen for one key").
 
     \b
-    Exit status: 0 nothing contradicts, 1 a contradiction, 3 a run could not be made
-    (2: bad usage). Details: docs/conformance.md.
+    Exit status: 0 nothing contradicts, 1 a contradiction, 3 a run (or the check) could
+    not be made, 2 bad usage. Details: docs/conformance.md.
     """
     from toolledger.testing import CheckError, check_tools
 
@@ -102,7 +103,9 @@ def check(
     except CheckError as error:
         if error.param is not None:
             raise click.BadParameter(str(error), param_hint=error.param) from None
-        raise click.ClickException(str(error)) from None
+        failed = click.ClickException(str(error))
+        failed.exit_code = 3  # 1 means a contradiction was found: this found nothing
+        raise failed from None
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
     else:
@@ -131,15 +134,18 @@ def _line(result: PointResult) -> str:
 
 
 def _summary(report: Report) -> str:
-    counts = {status: 0 for status in STATUS_COLOURS}
-    for result in report.results:
-        counts[result.status.value] += 1
-    said = ", ".join(f"{count} {status.replace('_', ' ')}" for status, count in counts.items() if count)
-    verdict = (
-        click.style("every tool keeps its word", fg="green")
-        if report.ok
-        else click.style(f"{len(report.contradictions)} contradiction(s)", fg="red")
-        if report.contradictions
-        else click.style(f"{len(report.errors)} run(s) could not be made", fg="magenta")
-    )
-    return f"\n{verdict}: {said}, in {report.seconds:.1f}s"
+    counts = Counter(result.status.value for result in report.results)
+    said = ", ".join(_counted(counts[status], status) for status in STATUS_COLOURS if counts[status])
+    if report.contradictions:
+        verdict = click.style(_counted(len(report.contradictions), "contradiction"), fg="red")
+    elif report.errors:
+        verdict = click.style(f"{_counted(len(report.errors), 'run')} could not be made", fg="magenta")
+    else:
+        verdict = click.style("every tool keeps its word", fg="green")
+    return f"\n{verdict}: {said} in {report.seconds:.1f}s"
+
+
+def _counted(count: int, status: str) -> str:
+    if status in ("ok", "not_applicable"):
+        return f"{count} {status.replace('_', ' ')}"
+    return f"{count} {status}{'' if count == 1 else 's'}"

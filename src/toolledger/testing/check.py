@@ -176,7 +176,7 @@ def check_tools(
         chosen = _chosen_tools(forkservers[0].ready(), tools)
         if not chosen:
             raise CheckError(f"{reference} holds no tools to check", param="--tools")
-        arguments = _arguments(chosen, examples)
+        arguments = _arguments(chosen, examples, {tool["name"] for tool in forkservers[0].ready()})
         template = _template(forkservers[0], workdir)
         check = _Check(workdir, template, base_url, control, client, timeout, progress)
         results = check.all(pool, jobs, chosen, arguments, crash_points)
@@ -269,14 +269,16 @@ def _chosen_tools(described: list[dict[str, Any]], tools: Iterable[str] | None) 
 
 
 def _arguments(
-    tools: list[dict[str, Any]], examples: Mapping[str, Mapping[str, Any]] | None
+    tools: list[dict[str, Any]], examples: Mapping[str, Mapping[str, Any]] | None, registered: set[str]
 ) -> dict[str, dict[str, Any] | ExampleError]:
-    """Each tool's arguments: its example, or the simplest its schema accepts (or why none)."""
+    """Each tool's arguments: its example, or the simplest its schema accepts (or why none).
+    An example for a tool the registry does not have is a typo, refused."""
     examples = examples or {}
-    names = {tool["name"] for tool in tools}
-    strays = sorted(set(examples) - names)
+    strays = sorted(set(examples) - registered)
     if strays:
-        raise CheckError(f"examples for tools not checked: {', '.join(strays)}", param="--examples")
+        raise CheckError(
+            f"examples for tools the registry does not have: {', '.join(strays)}", param="--examples"
+        )
     chosen: dict[str, dict[str, Any] | ExampleError] = {}
     for tool in tools:
         name = tool["name"]
