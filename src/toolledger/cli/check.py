@@ -24,6 +24,13 @@ POINT_NAMES = (
 )
 
 
+class CheckFailed(click.ClickException):
+    """The check itself could not run: exit 3, as a run that could not be made (1 means a
+    contradiction was found, and this found nothing)."""
+
+    exit_code = 3
+
+
 @click.command()
 @click.option(
     "--tools",
@@ -103,9 +110,7 @@ def check(
     except CheckError as error:
         if error.param is not None:
             raise click.BadParameter(str(error), param_hint=error.param) from None
-        failed = click.ClickException(str(error))
-        failed.exit_code = 3  # 1 means a contradiction was found: this found nothing
-        raise failed from None
+        raise CheckFailed(str(error)) from None
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
     else:
