@@ -170,3 +170,15 @@ def test_judge__call_failing_without_a_crash__asks_for_an_example() -> None:
         "the call failed without a crash (No order example.): nothing to compare the crashes with; "
         "give arguments it succeeds with (--examples, examples=)",
     )
+
+
+def test_judge__call_settled_as_failed_after_a_crash__says_so() -> None:
+    """An at_most_once tool with an unknown_deadline of 0: the fixed failure is its answer."""
+    run = crashed(runs=1, success=False, told="The outcome of this call is unknown.")
+
+    verdict = judge(EffectClass.AT_MOST_ONCE, "inside_handler", run, BASELINE)
+
+    assert (verdict.status, verdict.note) == (
+        Status.OK,
+        "answered with a failure: The outcome of this call is unknown.",
+    )

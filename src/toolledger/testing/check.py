@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -343,6 +344,11 @@ def _template(workers: Workers, workdir: Path) -> Path:
     return path
 
 
+def _file_name(name: str) -> str:
+    """A tool's name as a directory's (a registry may name a tool anything)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "_"
+
+
 def _sqlite_url(path: Path) -> str:
     return f"sqlite+aiosqlite:///{path}"
 
@@ -469,7 +475,7 @@ class _Check:
     def _run(
         self, workers: Workers, tool: _Tool, point: str, baseline: Observation | None
     ) -> tuple[PointResult, Observation]:
-        directory = self.workdir / tool.name / point
+        directory = self.workdir / _file_name(tool.name) / point
         shutil.rmtree(directory, ignore_errors=True)  # a kept directory's earlier check
         directory.mkdir(parents=True)
         ledger = directory / "ledger.sqlite3"

@@ -93,9 +93,11 @@ async def _prepare(job: Job, registry: ToolRegistry) -> dict[str, Any]:
 async def _run(job: Job, registry: ToolRegistry) -> dict[str, Any]:
     """Handle the session's call, as a worker does when the session lists it."""
     async with ToolLedger(registry, _settings(job), auto_migrate=False) as ledger:
-        for action in await ledger.gateway.pending_function_calls(job.session_id):
-            if action.call_id == job.call_id:
-                await ledger.handle(job.session_id, action)
+        pending = await ledger.gateway.pending_function_calls(job.session_id)
+        actions = [action for action in pending if action.call_id == job.call_id]
+        if not actions:
+            raise RuntimeError(f"session {job.session_id} does not list the call {job.call_id}")
+        await ledger.handle(job.session_id, actions[0])
         return await _observe(ledger, job.key)
 
 

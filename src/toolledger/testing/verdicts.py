@@ -210,6 +210,8 @@ def _story(effect: EffectClass, point: str, run: Observation) -> str:
         return f"{hook}unknown after the crash, waits for an operator (toolledger calls resolve)"
     if "executed" in run.answers:
         return "the hook said executed: settled without a re-run"
+    if run.success is False:
+        return f"answered with a failure: {run.told}"
     if run.runs > 1:
         because = "the hook said not executed: " if "not_executed" in run.answers else ""
         return f"{because}run again; no repeated side effect"
