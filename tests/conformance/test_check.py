@@ -68,6 +68,8 @@ def test_check_tools__passes_each_effect_class_s_correct_tool(report: Report) ->
         "unknown after the crash, waits for an operator (toolledger calls resolve)"
     )
     assert notes[("refund", "inside_handler")] == "run again; no repeated side effect"
+    # Approved by the check, then run (a tool that needs approval is checked all the same).
+    assert notes[("refund_large", "inside_handler")] == "run again; no repeated side effect"
 
 
 def test_check_tools__a_tool_failing_with_schema_arguments__asks_for_an_example(report: Report) -> None:
@@ -87,7 +89,7 @@ def test_check_tools__a_tool_failing_with_schema_arguments__asks_for_an_example(
 def test_check_tools__each_run_takes_about_a_second_or_two(report: Report) -> None:
     runs = [r.seconds for r in report.results if r.status is not Status.NOT_APPLICABLE]
 
-    assert len(runs) == 20  # a baseline each, and the killed runs of all but picky (and lookup's n/a)
+    assert len(runs) == 22  # a baseline each, and the killed runs of all but picky (and lookup's n/a)
     assert sum(runs) / len(runs) < 10, runs  # generous: the machine may be shared
 
 
@@ -225,7 +227,7 @@ def test_check_tools__unknown_tool__is_refused_naming_the_registry_s_tools(
         )
 
     assert str(raised.value) == (
-        "no tool named refnud in the registry (it has: lookup, send_mail, charge, refund, ship)"
+        "no tool named refnud in the registry (it has: lookup, send_mail, charge, refund, ship, refund_large)"
     )
     assert raised.value.param == "--tool"
 

@@ -63,12 +63,19 @@ def ship(order_id: str) -> str:
     return f"shipped {order_id}"
 
 
+def refund_large(cents: int, ctx: ToolContext) -> str:
+    """Waits for a person's approval (the check approves it, as an operator would)."""
+    testing.effect("refund", key=ctx.idempotency_key)
+    return f"refunded {cents}"
+
+
 for target in (registry, correct):
     target.tool(effect="read_only")(lookup)
     target.tool(effect="idempotent")(send_mail)
     target.tool(effect="verified", verify=_charged)(charge)
     target.tool(effect="transactional")(refund)
     target.tool(effect="at_most_once")(ship)
+    target.tool(effect="idempotent", approval=True)(refund_large)
 
 
 # ---------------------------------------------------------------------- wrong
