@@ -24,7 +24,7 @@ _EXPORTS = {
     "NO_CRASH": "toolledger.testing.verdicts",
     "CheckError": "toolledger.testing.workers",
     "PointResult": "toolledger.testing.verdicts",
-    "Report": "toolledger.testing.check",
+    "Report": "toolledger.testing.report",
     "Status": "toolledger.testing.verdicts",
     "assert_conforms": "toolledger.testing.check",
     "check_tools": "toolledger.testing.check",
@@ -35,8 +35,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from toolledger.testing.check import Report, assert_conforms, check_tools, reference_of
+    from toolledger.testing.check import assert_conforms, check_tools, reference_of
     from toolledger.testing.probe import effect, effect_in, seen
+    from toolledger.testing.report import Report
     from toolledger.testing.verdicts import CRASH_POINTS, NO_CRASH, PointResult, Status
     from toolledger.testing.workers import CheckError
 
