@@ -12,6 +12,8 @@ _EXPORTS = {
     "CallKey": "toolledger.domain.keys",
     "CallStatus": "toolledger.domain.states",
     "EffectClass": "toolledger.domain.states",
+    "MaybeExecuted": "toolledger.domain.results",
+    "NotExecuted": "toolledger.domain.results",
     "Service": "toolledger.runtime.service",
     "Settings": "toolledger.settings",
     "ToolContext": "toolledger.runtime.context",
@@ -24,7 +26,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from toolledger.domain.keys import CallKey
-    from toolledger.domain.results import ToolError
+    from toolledger.domain.results import MaybeExecuted, NotExecuted, ToolError
     from toolledger.domain.states import CallStatus, EffectClass
     from toolledger.runtime.context import ToolContext, Verification, current_context
     from toolledger.runtime.registry import ToolRegistry
@@ -43,6 +45,8 @@ __all__ = [
     "CallKey",
     "CallStatus",
     "EffectClass",
+    "MaybeExecuted",
+    "NotExecuted",
     "Service",
     "Settings",
     "ToolContext",

@@ -16,7 +16,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pydantic
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from toolledger import metrics
 from toolledger.domain.keys import CallKey
@@ -27,11 +33,15 @@ from toolledger.domain.results import (
     OUTPUT_FAILED_MESSAGE,
     TIMEOUT_MESSAGE,
     FailureStage,
+    InDoubt,
+    MaybeExecuted,
+    NotExecuted,
     Outcome,
     OutputError,
     ToolError,
     failed,
     normalize_output,
+    not_executed_message,
     succeeded,
     tool_error_message,
     validation_message,
@@ -48,9 +58,10 @@ from toolledger.tracing import CallSpan, call_span
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-    KeepOutcome = Callable[[Outcome, AsyncConnection | None], Awaitable[CallRecord]]
+    KeepOutcome = Callable[[Outcome | InDoubt, AsyncConnection | None], Awaitable[CallRecord]]
     """Stores a handler's outcome: in the given connection's transaction (a transactional
-    tool's, so that its writes and its result commit together), or on its own when None."""
+    tool's, so that its writes and its result commit together), or on its own when None. An
+    ``InDoubt`` (no result: the call becomes ``unknown``) is always stored on its own."""
 
 log = logging.getLogger("toolledger.executor")
 
@@ -75,10 +86,10 @@ class HandlerRunner:
 
     async def run_transactional(
         self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
-    ) -> CallRecord | Outcome:
+    ) -> CallRecord | Outcome | InDoubt:
         """The handler writes through the ledger's transaction; its result joins that commit
-        (``keep`` in the transaction), and the stored call is returned. A failed handler's
-        writes are rolled back and its failure returned, for the caller to keep."""
+        (``keep`` in the transaction), and the stored call is returned. A failed (or unsure)
+        handler's writes are rolled back and its outcome returned, for the caller to keep."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
             # On SQLite the tool's writes and the result are this process's writer meanwhile.
@@ -93,7 +104,7 @@ class HandlerRunner:
                             tool, replace(context, db=sync_connection), arguments
                         )
                     )
-                if outcome.success:
+                if isinstance(outcome, Outcome) and outcome.success:
                     done = await keep(outcome, connection)
                     await transaction.commit()
                     return done
@@ -149,9 +160,13 @@ class HandlerRunner:
             ),
         )
 
-    async def _invoke(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> Outcome:
-        """Run the handler and turn whatever happens into the result the model gets."""
+    async def _invoke(
+        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
+    ) -> Outcome | InDoubt:
+        """Run the handler and turn whatever happens into the result the model gets (or, if
+        it cannot tell whether its effect happened, into an ``InDoubt``)."""
         stage = _Stage()
+        retried: list[str] = []
 
         async def attempt_once() -> Any:
             deadline = asyncio.timeout(
@@ -170,6 +185,18 @@ class HandlerRunner:
                     raise _HandlerTimeout from None
                 raise
 
+        def note_retry(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            retried.append(type(error).__name__)
+            log.info(
+                "call %s (%s): handler raised %s; running it again within its claim (%d of %d)",
+                context.key,
+                tool.name,
+                type(error).__name__,
+                state.attempt_number,
+                tool.retries,
+            )
+
         with _handler_run(tool, context) as span:
             try:
                 if tool.retries:
@@ -177,38 +204,47 @@ class HandlerRunner:
                         stop=stop_after_attempt(tool.retries + 1),
                         wait=wait_exponential(multiplier=0.05, max=2),
                         retry=retry_if_exception_type(tool.retry_on),
+                        before_sleep=note_retry,
                         reraise=True,
                     ):
                         with attempt:
                             value = await attempt_once()
                 else:
                     value = await attempt_once()
-                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+                ending: Outcome | InDoubt = succeeded(
+                    context.key, normalize_output(value, self.settings.max_output_bytes)
+                )
             except Exception as error:
-                outcome = _failure(context.key, error, stage, self.store.redactor)
-            _note_outcome(span, outcome)
-            return outcome
+                ending = _ending(context.key, error, stage, self.store.redactor)
+            ending = _with_retries(ending, retried)
+            _note_outcome(span, ending)
+            return ending
 
     def _invoke_inline(
         self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
-    ) -> Outcome:
+    ) -> Outcome | InDoubt:
         """A sync transactional handler: run on this thread, inside the connection's greenlet,
         so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
         stage = _Stage()
+        retried: list[str] = []
         with _handler_run(tool, context) as span:
             try:
                 for attempt in range(tool.retries + 1):
                     try:
                         value = tool.function_tool._call(arguments, stage.set)
                         break
-                    except tool.retry_on:
+                    except tool.retry_on as error:
                         if attempt == tool.retries:
                             raise
-                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+                        retried.append(type(error).__name__)
+                ending: Outcome | InDoubt = succeeded(
+                    context.key, normalize_output(value, self.settings.max_output_bytes)
+                )
             except Exception as error:
-                outcome = _failure(context.key, error, stage, self.store.redactor)
-            _note_outcome(span, outcome)
-            return outcome
+                ending = _ending(context.key, error, stage, self.store.redactor)
+            ending = _with_retries(ending, retried)
+            _note_outcome(span, ending)
+            return ending
 
     async def _heartbeat(self, key: CallKey, token: int) -> None:
         while True:
@@ -259,24 +295,69 @@ def _handler_run(tool: RegisteredTool, context: ToolContext) -> Iterator[CallSpa
         reset_context(reset)
 
 
-def _note_outcome(span: CallSpan, outcome: Outcome) -> None:
+def _note_outcome(span: CallSpan, outcome: Outcome | InDoubt) -> None:
+    if isinstance(outcome, InDoubt):
+        span.set("outcome", "unknown")
+        return
     span.set("outcome", "succeeded" if outcome.success else "failed")
     if outcome.stage is not None:
         span.failed(f"handler failed at {outcome.stage.value}")
+
+
+def _with_retries(ending: Outcome | InDoubt, retried: list[str]) -> Outcome | InDoubt:
+    """``ending`` saying what the handler was run again after within its claim, if anything."""
+    if not retried:
+        return ending
+    if isinstance(ending, InDoubt):
+        again = ", ".join(retried)
+        return replace(ending, reason=f"{ending.reason} (run {len(retried) + 1} times; again after {again})")
+    return replace(ending, retried=tuple(retried))
+
+
+def _ending(
+    key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR
+) -> Outcome | InDoubt:
+    """How a run that raised ends: in doubt if the handler said it cannot tell whether its
+    effect happened, else the failure the model is told."""
+    if isinstance(error, MaybeExecuted):
+        return InDoubt(
+            f"handler raised MaybeExecuted: {_audit_message(error)}", detail=_traceback_of(error)
+        )
+    return _failure(key, error, stage, redactor)
+
+
+def _audit_message(error: MaybeExecuted) -> str:
+    """A MaybeExecuted's message for the audit trail (the store redacts it), capped."""
+    try:
+        message = error.message if isinstance(getattr(error, "message", None), str) else str(error)
+    except Exception:  # an evil __str__
+        message = ""
+    message = message or "(no message)"
+    return message if len(message) <= 300 else message[:299] + "…"
+
+
+def _traceback_of(error: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(error))
+    except Exception:  # an exception whose own __str__ or __repr__ fails
+        return f"{type(error).__qualname__} (its text could not be rendered)"
 
 
 def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR) -> Outcome:
     """The result the model gets for a failure: never the exception's own text."""
     if isinstance(error, ToolError):
         return failed(key, tool_error_message(error, redactor), FailureStage.EXECUTION)
+    if isinstance(error, NotExecuted):
+        # Meant for the model, as a ToolError's message; the traceback (with what it was
+        # raised from) stays in the audit trail.
+        return failed(
+            key, not_executed_message(error, redactor), FailureStage.NOT_EXECUTED, _traceback_of(error)
+        )
     if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
         return failed(key, validation_message(error, redactor), FailureStage.ARGUMENTS)
     if isinstance(error, _HandlerTimeout):
         return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
-    try:
-        detail = "".join(traceback.format_exception(error))
-    except Exception:  # an exception whose own __str__ or __repr__ fails
-        detail = f"{type(error).__qualname__} (its text could not be rendered)"
+    detail = _traceback_of(error)
     if isinstance(error, OutputError):
         return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
     if stage.value == "output":  # the SDK failed to serialise what the handler returned
