@@ -21,6 +21,8 @@ _EXPORTS = {
     "ToolLedger": "toolledger.runtime.tool_ledger",
     "ToolRegistry": "toolledger.runtime.registry",
     "Verification": "toolledger.runtime.context",
+    "classified_http_errors": "toolledger.runtime.http_errors",
+    "classify_http_error": "toolledger.runtime.http_errors",
     "current_context": "toolledger.runtime.context",
 }
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from toolledger.domain.results import MaybeExecuted, NotExecuted, ToolError
     from toolledger.domain.states import CallStatus, EffectClass
     from toolledger.runtime.context import ToolContext, Verification, current_context
+    from toolledger.runtime.http_errors import classified_http_errors, classify_http_error
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.runtime.service import Service
     from toolledger.runtime.tool_ledger import ToolLedger
@@ -54,5 +57,7 @@ __all__ = [
     "ToolLedger",
     "ToolRegistry",
     "Verification",
+    "classified_http_errors",
+    "classify_http_error",
     "current_context",
 ]
