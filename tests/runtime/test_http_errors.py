@@ -38,7 +38,14 @@ from tests.support.http_faults import (
     read_request,
     refusing_port,
 )
-from toolledger import MaybeExecuted, NotExecuted, classified_http_errors, classify_http_error
+from toolledger import (
+    MaybeExecuted,
+    NotExecuted,
+    ToolContext,
+    ToolRegistry,
+    classified_http_errors,
+    classify_http_error,
+)
 
 TIMEOUT = 0.5
 ORDER: dict[str, Any] = {"order": "o_1", "cents": 250}
@@ -328,6 +335,41 @@ async def test_classified_http_errors__works_around_an_await() -> None:
                 await client.post(server.url(), json=ORDER)
 
     assert isinstance(raised.value.__cause__, httpx.ReadTimeout)
+
+
+async def test_classified_http_errors__beside_the_client_in_async_with() -> None:
+    with refusing_port() as port, pytest.raises(NotExecuted):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client, classified_http_errors():
+            await client.post(f"http://127.0.0.1:{port}/charge", json=ORDER)
+
+
+async def test_classified_http_errors__decorates_sync_and_async_handlers_keeping_their_schema() -> None:
+    charge_sync = classified_http_errors()(_charge_sync)
+    charge_async = classified_http_errors()(_charge_async)
+    registry = ToolRegistry()
+    registry.tool(name="charge_sync", retries=1)(charge_sync)
+    registry.tool(name="charge_async", retries=1)(charge_async)
+
+    for name, is_async in (("charge_sync", False), ("charge_async", True)):
+        tool = registry.get(name)
+        assert tool is not None
+        assert set(tool.definition["parameters"]["properties"]) == {"url", "cents"}
+        assert tool.is_async is is_async
+    with refusing_port() as port:
+        url = f"http://127.0.0.1:{port}/charge"
+        with pytest.raises(NotExecuted):
+            charge_sync(url, 1)
+        with pytest.raises(NotExecuted):
+            await charge_async(url, 1)
+
+
+def _charge_sync(url: str, cents: int) -> str:
+    return httpx.post(url, json={"cents": cents}, timeout=TIMEOUT).text
+
+
+async def _charge_async(url: str, cents: int, ctx: ToolContext | None = None) -> str:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        return (await client.post(url, json={"cents": cents})).text
 
 
 def test_classified_http_errors__lets_any_other_exception_through_unchanged() -> None:

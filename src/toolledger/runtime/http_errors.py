@@ -25,16 +25,20 @@ retry (``retries``). httpx's transport ``retries`` are safe: it retries connecti
 
 from __future__ import annotations
 
+import functools
+import inspect
 import socket
 import ssl
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from types import ModuleType, TracebackType
+from typing import Any, ParamSpec, TypeVar, cast
 
 from toolledger.domain.results import MaybeExecuted, NotExecuted
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 _CHAIN_LIMIT = 16
 """Exceptions looked at below the one classified (its causes, a wrapper's reason), at most."""
@@ -83,18 +87,52 @@ def classify_http_error(error: BaseException) -> NotExecuted | MaybeExecuted | N
     return outcome
 
 
-@contextmanager
-def classified_http_errors() -> Iterator[None]:
-    """Re-raise an HTTP client's error raised inside as ``NotExecuted`` or ``MaybeExecuted``
-    (``classify_http_error``); any other exception passes through unchanged. Works around
-    ``await`` too (``with classified_http_errors(): await client.post(...)``)."""
-    try:
-        yield
-    except Exception as error:
-        outcome = classify_http_error(error)
-        if outcome is None:
-            raise
-        raise outcome from error
+def classified_http_errors() -> ClassifiedHttpErrors:
+    """Re-raise an HTTP client's error as ``NotExecuted`` or ``MaybeExecuted``
+    (``classify_http_error``); any other exception passes through unchanged. A context
+    manager, sync or async (``with``, or beside the client in ``async with``; either works
+    around ``await``), or a decorator of a handler, sync or async."""
+    return ClassifiedHttpErrors()
+
+
+class ClassifiedHttpErrors:
+    """What ``classified_http_errors()`` returns."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if isinstance(error, Exception):
+            outcome = classify_http_error(error)
+            if outcome is not None:
+                raise outcome from error
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.__exit__(kind, error, trace)
+
+    def __call__(self, function: Callable[_P, _R]) -> Callable[_P, _R]:
+        if inspect.iscoroutinefunction(function):
+
+            @functools.wraps(function)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                with self:
+                    return await function(*args, **kwargs)
+
+            return cast("Callable[_P, _R]", run_async)
+
+        @functools.wraps(function)
+        def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with self:
+                return function(*args, **kwargs)
+
+        return run
 
 
 def _finding(error: BaseException) -> _Finding | None:
@@ -283,4 +321,4 @@ def _attribute(error: BaseException, name: str) -> Any:
         return None
 
 
-__all__ = ["classified_http_errors", "classify_http_error"]
+__all__ = ["ClassifiedHttpErrors", "classified_http_errors", "classify_http_error"]
