@@ -397,6 +397,54 @@ async def test_maybe_executed__a_transactional_tools_writes_are_rolled_back_and_
     assert (notes, count) == (["refund 9, run 2"], 1)
 
 
+@pytest.mark.parametrize("style", ["async", "sync"])
+async def test_not_executed__a_transactional_tools_retry_runs_in_a_new_transaction(
+    database_url: str, emulator: EmulatorServer, style: str
+) -> None:
+    """The first run's write is rolled back before the second run: one row, not two."""
+    engine = create_engine(database_url)
+    async with engine.begin() as conn:
+        await conn.run_sync(effects.metadata.create_all)
+    registry = ToolRegistry()
+    runs: list[int] = []
+    if style == "async":
+
+        @registry.tool(effect="transactional", retries=1)
+        async def record_refund(cents: int, ctx: ToolContext) -> str:
+            runs.append(cents)
+            await ctx.db.execute(effects.insert().values(note=f"refund {cents}, run {len(runs)}"))
+            if len(runs) == 1:
+                raise NotExecuted("the card network refused the connection")
+            return "refunded"
+
+    else:
+
+        @registry.tool(effect="transactional", retries=1)
+        def record_refund(cents: int, ctx: ToolContext) -> str:
+            runs.append(cents)
+            ctx.db.execute(effects.insert().values(note=f"refund {cents}, run {len(runs)}"))
+            if len(runs) == 1:
+                raise NotExecuted("the card network refused the connection")
+            return "refunded"
+
+    session_id, [action] = await pending_actions(emulator, [("record_refund", {"cents": 9})])
+    async with running_ledger(registry, database_url, emulator) as ledger:
+        report = await ledger.handle(session_id, action)
+        events = await ledger.store.events(report.key)
+    try:
+        async with engine.connect() as conn:
+            notes = list((await conn.execute(select(effects.c.note))).scalars())
+    finally:
+        await engine.dispose()
+
+    assert (report.action, report.submitted, runs) == ("executed", True, [9, 9])
+    assert notes == ["refund 9, run 2"]
+    assert [p["output"] for p in accepted_payloads(emulator, session_id)] == ["refunded"]
+    assert reason_of(events, "running", "succeeded") == (
+        "handler returned (run 2 times within its claim; again after NotExecuted)"
+    )
+
+
 # ---------------------------------------------------------------- through a real HTTP client
 
 

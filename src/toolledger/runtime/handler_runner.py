@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pydantic
 from tenacity import (
@@ -77,7 +77,7 @@ class HandlerRunner:
         """Run the handler under the call's lease, then ``keep`` its outcome."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
-            outcome = await self._invoke(tool, self.context(tool, call), arguments)
+            outcome = (await self._invoke(tool, self.context(tool, call), arguments)).ending
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
@@ -89,36 +89,64 @@ class HandlerRunner:
     ) -> CallRecord | Outcome | InDoubt:
         """The handler writes through the ledger's transaction; its result joins that commit
         (``keep`` in the transaction), and the stored call is returned. A failed (or unsure)
-        handler's writes are rolled back and its outcome returned, for the caller to keep."""
+        handler's writes are rolled back and its outcome returned, for the caller to keep.
+        Each run within the claim (``retries``) has a transaction of its own: the writes of a
+        run that raised are gone before the next one starts."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
+        context = self.context(tool, call)
+        retried: list[str] = []
         try:
-            # On SQLite the tool's writes and the result are this process's writer meanwhile.
-            async with write_lock(self.store.engine), self.store.engine.connect() as connection:
-                transaction = await connection.begin()
-                context = self.context(tool, call)
-                if tool.is_async:
-                    outcome = await self._invoke(tool, replace(context, db=connection), arguments)
-                else:
-                    outcome = await connection.run_sync(
-                        lambda sync_connection: self._invoke_inline(
-                            tool, replace(context, db=sync_connection), arguments
-                        )
-                    )
-                if isinstance(outcome, Outcome) and outcome.success:
-                    done = await keep(outcome, connection)
-                    await transaction.commit()
-                    return done
-                if connection.invalidated:
-                    # The handler failed because the database went away under it (a restart,
-                    # say): keeping "Tool handler failed" would answer the model for an outage.
-                    # The call stays running; once taken over it runs again, as is safe here.
-                    raise TransactionLostError(f"call {call.key}: the database connection was lost")
-                await transaction.rollback()
+            # Only a run that raised what the tool retries after is run again (``_RunAgain``):
+            # a lost connection or a refused result is never retried here.
+            async for attempt in self._retrying(tool, context, retried, after=(_RunAgain,)):
+                with attempt:
+                    ran = await self._in_transaction(tool, call, context, arguments, keep, retried)
+                    if isinstance(ran, _Ran):
+                        if isinstance(ran.error, tool.retry_on):
+                            raise _RunAgain(ran)
+                        return _with_retries(ran.ending, retried)
+                    return ran
+        except _RunAgain as last:
+            return _with_retries(last.ran.ending, retried)
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
                 await heartbeat
-        return outcome
+        raise AssertionError("unreachable: the retry policy re-raises")
+
+    async def _in_transaction(
+        self,
+        tool: RegisteredTool,
+        call: CallRecord,
+        context: ToolContext,
+        arguments: dict[str, Any],
+        keep: KeepOutcome,
+        retried: list[str],
+    ) -> CallRecord | _Ran:
+        """One run of a transactional handler in a transaction of its own: committed with its
+        result if it succeeded (the stored call returned), else rolled back."""
+        # On SQLite the tool's writes and the result are this process's writer meanwhile.
+        async with write_lock(self.store.engine), self.store.engine.connect() as connection:
+            transaction = await connection.begin()
+            if tool.is_async:
+                ran = await self._invoke(tool, replace(context, db=connection), arguments, retry=False)
+            else:
+                ran = await connection.run_sync(
+                    lambda sync_connection: self._invoke_inline(
+                        tool, replace(context, db=sync_connection), arguments
+                    )
+                )
+            if isinstance(ran.ending, Outcome) and ran.ending.success:
+                done = await keep(_with_retries(ran.ending, retried), connection)
+                await transaction.commit()
+                return done
+            if connection.invalidated:
+                # The handler failed because the database went away under it (a restart,
+                # say): keeping "Tool handler failed" would answer the model for an outage.
+                # The call stays running; once taken over it runs again, as is safe here.
+                raise TransactionLostError(f"call {call.key}: the database connection was lost")
+            await transaction.rollback()
+            return ran
 
     async def verify(self, tool: RegisteredTool, call: CallRecord) -> Verified:
         """Ask the downstream system whether the first run happened; with its result if so."""
@@ -160,11 +188,45 @@ class HandlerRunner:
             ),
         )
 
+    def _retrying(
+        self,
+        tool: RegisteredTool,
+        context: ToolContext,
+        retried: list[str],
+        after: tuple[type[BaseException], ...] | None = None,
+    ) -> AsyncRetrying:
+        """Runs of a handler within its claim: again after what the tool's ``retry_on`` names
+        (or ``after``), up to ``retries`` times, with exponential backoff; ``retried``
+        collects what each next run came after."""
+
+        def note_retry(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            if isinstance(error, _RunAgain):
+                error = error.ran.error
+            retried.append(type(error).__name__)
+            log.info(
+                "call %s (%s): handler raised %s; running it again within its claim (%d of %d)",
+                context.key,
+                tool.name,
+                type(error).__name__,
+                state.attempt_number,
+                tool.retries,
+            )
+
+        return AsyncRetrying(
+            stop=stop_after_attempt(tool.retries + 1),
+            wait=wait_exponential(multiplier=0.05, max=2),
+            retry=retry_if_exception_type(tool.retry_on if after is None else after),
+            before_sleep=note_retry,
+            reraise=True,
+        )
+
     async def _invoke(
-        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
-    ) -> Outcome | InDoubt:
+        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any], *, retry: bool = True
+    ) -> _Ran:
         """Run the handler and turn whatever happens into the result the model gets (or, if
-        it cannot tell whether its effect happened, into an ``InDoubt``)."""
+        it cannot tell whether its effect happened, into an ``InDoubt``). ``retry``: run it
+        again within the claim as the tool's ``retries`` say; else once."""
         stage = _Stage()
         retried: list[str] = []
 
@@ -185,28 +247,11 @@ class HandlerRunner:
                     raise _HandlerTimeout from None
                 raise
 
-        def note_retry(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome is not None else None
-            retried.append(type(error).__name__)
-            log.info(
-                "call %s (%s): handler raised %s; running it again within its claim (%d of %d)",
-                context.key,
-                tool.name,
-                type(error).__name__,
-                state.attempt_number,
-                tool.retries,
-            )
-
         with _handler_run(tool, context) as span:
+            raised: Exception | None = None
             try:
-                if tool.retries:
-                    async for attempt in AsyncRetrying(
-                        stop=stop_after_attempt(tool.retries + 1),
-                        wait=wait_exponential(multiplier=0.05, max=2),
-                        retry=retry_if_exception_type(tool.retry_on),
-                        before_sleep=note_retry,
-                        reraise=True,
-                    ):
+                if retry and tool.retries:
+                    async for attempt in self._retrying(tool, context, retried):
                         with attempt:
                             value = await attempt_once()
                 else:
@@ -215,36 +260,28 @@ class HandlerRunner:
                     context.key, normalize_output(value, self.settings.max_output_bytes)
                 )
             except Exception as error:
+                raised = error
                 ending = _ending(context.key, error, stage, self.store.redactor)
             ending = _with_retries(ending, retried)
             _note_outcome(span, ending)
-            return ending
+            return _Ran(ending, raised)
 
-    def _invoke_inline(
-        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
-    ) -> Outcome | InDoubt:
-        """A sync transactional handler: run on this thread, inside the connection's greenlet,
-        so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
+    def _invoke_inline(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> _Ran:
+        """A sync transactional handler, run once: on this thread, inside the connection's
+        greenlet, so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
         stage = _Stage()
-        retried: list[str] = []
         with _handler_run(tool, context) as span:
+            raised: Exception | None = None
             try:
-                for attempt in range(tool.retries + 1):
-                    try:
-                        value = tool.function_tool._call(arguments, stage.set)
-                        break
-                    except tool.retry_on as error:
-                        if attempt == tool.retries:
-                            raise
-                        retried.append(type(error).__name__)
+                value = tool.function_tool._call(arguments, stage.set)
                 ending: Outcome | InDoubt = succeeded(
                     context.key, normalize_output(value, self.settings.max_output_bytes)
                 )
             except Exception as error:
+                raised = error
                 ending = _ending(context.key, error, stage, self.store.redactor)
-            ending = _with_retries(ending, retried)
             _note_outcome(span, ending)
-            return ending
+            return _Ran(ending, raised)
 
     async def _heartbeat(self, key: CallKey, token: int) -> None:
         while True:
@@ -267,6 +304,23 @@ def _call_in_thread(tool: RegisteredTool, arguments: dict[str, Any], on_stage: A
 
 class _HandlerTimeout(Exception):
     pass
+
+
+class _Ran(NamedTuple):
+    """How a run of a handler (with its retries, if it had them) ended."""
+
+    ending: Outcome | InDoubt
+    error: Exception | None
+    """What it raised, if it did."""
+
+
+class _RunAgain(Exception):
+    """A transactional run that raised what its tool retries after: its transaction is rolled
+    back, and the next run gets a new one."""
+
+    def __init__(self, ran: _Ran) -> None:
+        super().__init__(type(ran.error).__name__)
+        self.ran = ran
 
 
 class _Stage:
@@ -320,9 +374,7 @@ def _ending(
     """How a run that raised ends: in doubt if the handler said it cannot tell whether its
     effect happened, else the failure the model is told."""
     if isinstance(error, MaybeExecuted):
-        return InDoubt(
-            f"handler raised MaybeExecuted: {_audit_message(error)}", detail=_traceback_of(error)
-        )
+        return InDoubt(f"handler raised MaybeExecuted: {_audit_message(error)}", detail=_traceback_of(error))
     return _failure(key, error, stage, redactor)
 
 
