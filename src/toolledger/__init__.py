@@ -12,6 +12,8 @@ _EXPORTS = {
     "CallKey": "toolledger.domain.keys",
     "CallStatus": "toolledger.domain.states",
     "EffectClass": "toolledger.domain.states",
+    "MaybeExecuted": "toolledger.domain.results",
+    "NotExecuted": "toolledger.domain.results",
     "Service": "toolledger.runtime.service",
     "Settings": "toolledger.settings",
     "ToolContext": "toolledger.runtime.context",
@@ -19,14 +21,17 @@ _EXPORTS = {
     "ToolLedger": "toolledger.runtime.tool_ledger",
     "ToolRegistry": "toolledger.runtime.registry",
     "Verification": "toolledger.runtime.context",
+    "classified_http_errors": "toolledger.runtime.http_errors",
+    "classify_http_error": "toolledger.runtime.http_errors",
     "current_context": "toolledger.runtime.context",
 }
 
 if TYPE_CHECKING:
     from toolledger.domain.keys import CallKey
-    from toolledger.domain.results import ToolError
+    from toolledger.domain.results import MaybeExecuted, NotExecuted, ToolError
     from toolledger.domain.states import CallStatus, EffectClass
     from toolledger.runtime.context import ToolContext, Verification, current_context
+    from toolledger.runtime.http_errors import classified_http_errors, classify_http_error
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.runtime.service import Service
     from toolledger.runtime.tool_ledger import ToolLedger
@@ -43,6 +48,8 @@ __all__ = [
     "CallKey",
     "CallStatus",
     "EffectClass",
+    "MaybeExecuted",
+    "NotExecuted",
     "Service",
     "Settings",
     "ToolContext",
@@ -50,5 +57,7 @@ __all__ = [
     "ToolLedger",
     "ToolRegistry",
     "Verification",
+    "classified_http_errors",
+    "classify_http_error",
     "current_context",
 ]

@@ -68,8 +68,12 @@ from tests.support.serve_process import ServeProcess, run_cli
 from toolledger.domain.redaction import DEFAULT_REDACTOR, MASK, Redactor
 from toolledger.domain.results import (
     FAILED_MESSAGE,
+    NOT_EXECUTED_MESSAGE,
     OUTPUT_FAILED_MESSAGE,
+    POISON_MESSAGE,
     TOOL_ERROR_MAX_CHARS,
+    MaybeExecuted,
+    NotExecuted,
     ToolError,
 )
 from toolledger.domain.states import CallStatus
@@ -730,6 +734,9 @@ PLAIN_KINDS: dict[str, type[Exception]] = {
 TOOL_ERROR_KINDS = ("ToolError", "Refused", "ToolErrorObject", "ToolErrorWithEvilStr", "ToolErrorWithoutInit")
 VALUE_ERROR_KINDS = frozenset({"ValueError", "AssertionError", "UnicodeError", "ValidationError"})
 """Raised in a pydantic validator these become a ValidationError: a validation message."""
+TYPED_OUTCOME_KINDS = ("NotExecuted", "MaybeExecuted")
+"""NotExecuted's message goes to the model as a ToolError's; MaybeExecuted's to the audit
+trail only (these idempotent tools then run again until given up)."""
 
 
 def build(spec: Raised) -> Exception:
@@ -745,6 +752,10 @@ def build(spec: Raised) -> Exception:
         error = ToolErrorWithEvilStr(message)
     elif spec.kind == "ToolErrorWithoutInit":
         error = ToolErrorWithoutInit(message)
+    elif spec.kind == "NotExecuted":
+        error = NotExecuted(message)
+    elif spec.kind == "MaybeExecuted":
+        error = MaybeExecuted(message)
     elif spec.kind == "EvilStr":
         error = EvilStr(message)
     elif spec.kind == "ValidationError":
@@ -793,6 +804,10 @@ def expected_error(stage: str, spec: Raised) -> str | None:
     if spec.kind in TOOL_ERROR_KINDS:
         message = f"Detail({spec.masked})" if spec.kind == "ToolErrorObject" else spec.masked
         return capped(message) if message else FAILED_MESSAGE
+    if spec.kind == "NotExecuted":
+        return capped(spec.masked) if spec.masked else NOT_EXECUTED_MESSAGE
+    if spec.kind == "MaybeExecuted":
+        return POISON_MESSAGE
     if stage == "arguments" and spec.kind in VALUE_ERROR_KINDS:
         return None
     return OUTPUT_FAILED_MESSAGE if stage == "output" else FAILED_MESSAGE
@@ -897,7 +912,7 @@ SEPARATORS = (" | ", "\n", "; ", " -- ", "\t")
 
 @st.composite
 def raised(draw: st.DrawFn, depth: int = 0, *, validator: bool = False) -> Raised:
-    kinds = [*PLAIN_KINDS, *TOOL_ERROR_KINDS, "EvilStr", "ValidationError"]
+    kinds = [*PLAIN_KINDS, *TOOL_ERROR_KINDS, *TYPED_OUTCOME_KINDS, "EvilStr", "ValidationError"]
     if depth < 2:
         kinds.append("Group")
     kind = draw(st.sampled_from(kinds))

@@ -75,10 +75,10 @@ def test_each_transition_writes_the_columns_it_declares(transition: Transition) 
     assert changes(transition)["status"] == transition.target.value
 
 
-def test_a_worker_storing_its_outcome_is_fenced_by_its_lease_token() -> None:
+def test_a_worker_storing_its_outcome_or_its_doubt_is_fenced_by_its_lease_token() -> None:
     fenced_names = {t.name for t in TRANSITIONS if t.fencing is Fencing.LEASE_TOKEN}
 
-    assert fenced_names == {"complete", "complete_late"}
+    assert fenced_names == {"complete", "complete_late", "mark_unknown"}
     for transition in TRANSITIONS:
         if transition.fencing is Fencing.LEASE_TOKEN:
             assert len(fenced(transition)) == 1

@@ -12,6 +12,7 @@ import os
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from toolledger.crashpoints import CP_INSIDE_HANDLER, crash_point
+from toolledger.domain.results import MaybeExecuted
 from toolledger.runtime.context import ToolContext
 from toolledger.runtime.registry import ToolRegistry
 
@@ -37,6 +38,13 @@ def at_most_once_tool(amount: int, ctx: ToolContext) -> str:
     _append_effect("at_most_once_tool", ctx)
     crash_point(CP_INSIDE_HANDLER)
     return f"charged {amount}"
+
+
+@registry.tool(name="maybe_executed_tool")
+def maybe_executed_tool(amount: int, ctx: ToolContext) -> str:
+    """An at_most_once tool whose downstream answer timed out: it cannot tell."""
+    _append_effect("maybe_executed_tool", ctx)
+    raise MaybeExecuted(f"the answer to charging {amount} timed out")
 
 
 @registry.tool(name="idempotent_tool", effect="idempotent")

@@ -54,6 +54,9 @@ MATRIX: dict[tuple[str, str], Expected] = {
     ("at_most_once_tool", cp.CP_AFTER_HANDLER): Expected(1, CallStatus.UNKNOWN, 0),
     ("idempotent_tool", cp.CP_AFTER_HANDLER): Expected(2, CallStatus.SUBMITTED, 1),
     ("transactional_tool", cp.CP_AFTER_HANDLER): Expected(1, CallStatus.SUBMITTED, 1),
+    # The handler said it cannot tell (MaybeExecuted), the doubt not yet stored: the lease
+    # runs out into the same unknown the doubt would have made at once; never run again.
+    ("maybe_executed_tool", cp.CP_AFTER_HANDLER): Expected(1, CallStatus.UNKNOWN, 0),
     # Result stored, not submitted: resubmitted, never re-run.
     ("at_most_once_tool", cp.CP_AFTER_RESULT_COMMIT): Expected(1, CallStatus.SUBMITTED, 1),
     ("idempotent_tool", cp.CP_AFTER_RESULT_COMMIT): Expected(1, CallStatus.SUBMITTED, 1),
@@ -68,6 +71,7 @@ ON_POSTGRES = {
     ("at_most_once_tool", cp.CP_INSIDE_HANDLER),
     ("idempotent_tool", cp.CP_INSIDE_HANDLER),
     ("transactional_tool", cp.CP_AFTER_HANDLER),
+    ("maybe_executed_tool", cp.CP_AFTER_HANDLER),
     ("at_most_once_tool", cp.CP_AFTER_RESULT_COMMIT),
 }
 
@@ -166,6 +170,30 @@ async def test_sigkill_at_crash_point__recovery_keeps_the_guarantees(
     tokens = [e.lease_token or 0 for e in events if e.to_status == "running"]
     assert tokens == sorted(set(tokens)), "every claim took a new lease token"
     assert [e.id for e in events] == sorted(e.id for e in events)
+
+
+async def test_maybe_executed__a_worker_that_stored_the_doubt_leaves_it_to_the_next_untouched(
+    sqlite_url: str, emulator: EmulatorServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a crash the doubt is stored at once; a second worker process given the same
+    pending call neither runs it again nor answers it."""
+    effects_file = tmp_path / "effects.log"
+    effects_file.touch()
+    monkeypatch.setenv("CRASH_EFFECTS_FILE", str(effects_file))
+    session_id, [action] = await pending_actions(emulator, [("maybe_executed_tool", {"amount": 3})])
+    key = CallKey(session_id, action.turn_id, action.call_id)
+
+    for _ in range(2):
+        assert await asyncio.to_thread(run_worker, sqlite_url, emulator.base_url, session_id, None) == 0
+    async with running_ledger(registry, sqlite_url, emulator) as ledger:
+        call = await ledger.store.get(key)
+        events = await ledger.store.events(key)
+
+    assert len(effects_file.read_text().splitlines()) == 1
+    assert call is not None
+    assert call.status is CallStatus.UNKNOWN
+    assert [(e.from_status, e.to_status) for e in events] == [(None, "running"), ("running", "unknown")]
+    assert emulator.control.tool_results(session_id) == []
 
 
 async def test_sigkill__a_redelivered_call_after_the_crash_is_not_run_twice(

@@ -13,7 +13,7 @@ import pytest
 from openai.lib.beta.agents import FunctionTool, function_tool, pydantic_function_tool
 
 from toolledger.domain.keys import ArgumentsRefused, CallKey, parse_arguments
-from toolledger.domain.results import FailureStage, validation_message
+from toolledger.domain.results import FailureStage, MaybeExecuted, NotExecuted, validation_message
 from toolledger.domain.states import EffectClass
 from toolledger.errors import RegistryError
 from toolledger.runtime.context import ToolContext, Verification, bind_context, reset_context
@@ -376,7 +376,7 @@ def test_tool_options__none_given__default_to_at_most_once_without_retries_or_de
         None,
         None,
     )
-    assert tool.retry_on == TRANSIENT_ERRORS
+    assert tool.retry_on == (NotExecuted,), "at_most_once retries only what surely did not happen"
     assert tool.name == "ping"
 
 
@@ -392,6 +392,9 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
     @registry.tool(effect="read_only", retries=1)
     def read() -> None: ...
 
+    @registry.tool(retries=2)
+    def charge() -> None: ...
+
     @registry.tool(effect="verified", verify=accept_verify, unknown_deadline=60)
     def verified() -> None: ...
 
@@ -403,13 +406,20 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
     assert (idem_tool.timeout, idem_tool.retries, idem_tool.retry_on, idem_tool.max_attempts) == (
         2.5,
         3,
-        (KeyError,),
+        (KeyError, NotExecuted, MaybeExecuted),
         5,
     )
     assert registered(registry, "trans").effect is EffectClass.TRANSACTIONAL
     assert (registered(registry, "read").effect, registered(registry, "read").retries) == (
         EffectClass.READ_ONLY,
         1,
+    )
+    assert registered(registry, "read").retry_on == (*TRANSIENT_ERRORS, NotExecuted, MaybeExecuted)
+    charge_tool = registered(registry, "charge")
+    assert (charge_tool.effect, charge_tool.retries, charge_tool.retry_on) == (
+        EffectClass.AT_MOST_ONCE,
+        2,
+        (NotExecuted,),
     )
     verified_tool = registered(registry, "verified")
     assert verified_tool.effect is EffectClass.VERIFIED
@@ -419,7 +429,7 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
     assert once_tool.effect is EffectClass.AT_MOST_ONCE
     assert once_tool.unknown_deadline == 0
     assert once_tool.definition["defer_loading"] is True
-    assert [tool.name for tool in registry] == ["idem", "trans", "read", "verified", "once"]
+    assert [tool.name for tool in registry] == ["idem", "trans", "read", "charge", "verified", "once"]
 
 
 @pytest.mark.parametrize(
@@ -437,14 +447,24 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
         ),
         pytest.param({"effect": "idempotent", "retries": -1}, "retries must be >= 0", id="negative-retries"),
         pytest.param(
-            {"retries": 1},
-            "retries re-run the handler, which effect 'at_most_once' forbids",
-            id="retries-at-most-once",
+            {"retries": 1, "retry_on": (ConnectionError,)},
+            "effect 'at_most_once' forbids a second run after an error: retries count NotExecuted alone",
+            id="retry-on-at-most-once",
         ),
         pytest.param(
-            {"effect": "verified", "verify": accept_verify, "retries": 2},
-            "retries re-run the handler, which effect 'verified' forbids",
-            id="retries-verified",
+            {"effect": "verified", "verify": accept_verify, "retries": 2, "retry_on": (NotExecuted,)},
+            "effect 'verified' forbids a second run after an error: retries count NotExecuted alone",
+            id="retry-on-verified",
+        ),
+        pytest.param(
+            {"effect": "idempotent", "retries": 1, "retry_on": ConnectionError},
+            "retry_on must be a tuple of exception classes",
+            id="retry-on-not-a-tuple",
+        ),
+        pytest.param(
+            {"effect": "idempotent", "retries": 1, "retry_on": ("ConnectionError",)},
+            "retry_on must be a tuple of exception classes",
+            id="retry-on-not-classes",
         ),
         pytest.param({"timeout": 0}, "timeout must be positive", id="zero-timeout"),
         pytest.param({"timeout": -1.5}, "timeout must be positive", id="negative-timeout"),

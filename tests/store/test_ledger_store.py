@@ -390,6 +390,77 @@ async def test_expire_leases__a_finished_call_is_left_alone(store: LedgerStore) 
     assert await current(store, key) == done
 
 
+async def test_mark_unknown__the_lease_holder_makes_its_running_call_unknown_at_once(
+    store: LedgerStore,
+) -> None:
+    """A handler that cannot tell whether its effect happened: the call is unknown now, not
+    when its 30 s lease runs out, and its unknown_deadline counts from now."""
+    key = new_key()
+    running = await record_running(store, key, lease_seconds=LEASE_SECONDS)
+    assert running.lease_expires_at is not None
+
+    unknown = await store.mark_unknown(
+        key,
+        1,
+        reason=f"handler raised MaybeExecuted: read timed out (token {LEAKED_KEY})",
+        detail=f"Traceback: ReadTimeout with Bearer {LEAKED_KEY}",
+    )
+
+    assert (unknown.status, unknown.lease_token, unknown.attempt_count) == (CallStatus.UNKNOWN, 1, 1)
+    assert unknown.lease_expires_at is not None
+    assert unknown.lease_expires_at < running.lease_expires_at - timedelta(seconds=LEASE_SECONDS / 2)
+    assert await current(store, key) == unknown
+    events = await store.events(key)
+    assert shape(events) == [("transition", None, "running", 1), ("transition", "running", "unknown", 1)]
+    assert events[-1].actor == ACTOR
+    assert events[-1].reason is not None
+    assert events[-1].reason.startswith("handler raised MaybeExecuted: read timed out")
+    assert events[-1].detail is not None
+    assert "ReadTimeout" in events[-1].detail
+    assert LEAKED_KEY not in events[-1].reason + events[-1].detail
+    assert await store.expire_leases() == [], "nothing is left running to expire"
+
+
+async def test_mark_unknown__by_a_worker_that_lost_its_lease__is_fenced(
+    store: LedgerStore, other: LedgerStore
+) -> None:
+    key = new_key()
+    await record_unknown(store, key)
+    taken = await other.claim(
+        key, from_statuses=[CallStatus.UNKNOWN], lease_seconds=LEASE_SECONDS, reason="re-run"
+    )
+    assert taken is not None
+
+    with pytest.raises(FencedError):
+        await store.mark_unknown(key, 1, reason="the first run's doubt, too late")
+
+    assert await current(store, key) == taken
+    assert shape(await store.events(key))[-1] == ("transition", "unknown", "running", 2)
+
+
+async def test_mark_unknown__found_unknown_under_its_own_token__is_the_same_end(store: LedgerStore) -> None:
+    """Its lease ran out first (or an earlier try of the write committed unseen): the call
+    is unknown under this run's token either way, and nothing is written twice."""
+    key = new_key()
+    expired = await record_unknown(store, key)
+    events_before = await store.events(key)
+
+    again = await store.mark_unknown(key, 1, reason="handler raised MaybeExecuted")
+
+    assert again == expired
+    assert await store.events(key) == events_before
+
+
+async def test_mark_unknown__of_a_finished_call__is_refused(store: LedgerStore) -> None:
+    key = new_key()
+    done = await record_succeeded(store, key)
+
+    with pytest.raises(FencedError):
+        await store.mark_unknown(key, 1, reason="too late: a result is stored")
+
+    assert await current(store, key) == done
+
+
 async def test_claim__from_unknown_takes_token_2_and_fences_the_first_worker(
     store: LedgerStore, other: LedgerStore
 ) -> None:

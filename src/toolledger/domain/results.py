@@ -25,6 +25,8 @@ UNKNOWN_OUTCOME_MESSAGE = (
 POISON_MESSAGE = "Tool handler failed repeatedly and was given up."
 NOT_APPROVED_IN_TIME_MESSAGE = "Not run: the call was not approved in time."
 DENIED_PREFIX = "Not run: an operator denied the call: "
+NOT_EXECUTED_MESSAGE = "The tool's action was not carried out."
+"""What the model hears of a ``NotExecuted`` that carries no text of its own."""
 TOOL_ERROR_MAX_CHARS = 500
 
 
@@ -36,6 +38,8 @@ class FailureStage(StrEnum):
     OUTPUT = "output"
     RECOVERY = "recovery"
     APPROVAL = "approval"
+    NOT_EXECUTED = "not_executed"
+    """The handler said its side effect surely did not happen (``NotExecuted``)."""
 
 
 class ToolError(Exception):
@@ -44,6 +48,44 @@ class ToolError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class NotExecuted(Exception):
+    """Raise it in a handler when its side effect surely did not happen (the connection was
+    refused before anything was sent, say). Even where the effect class forbids a second run,
+    the handler is run again within its claim, up to the tool's ``retries``: nothing happened,
+    so a retry is not a second effect. Once they are used up, the model is told the message,
+    as a ``ToolError``'s (redacted and capped), and may decide to try again itself."""
+
+    def __init__(self, message: str = NOT_EXECUTED_MESSAGE) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class MaybeExecuted(Exception):
+    """Raise it in a handler when it cannot tell whether its side effect happened (the
+    request was sent, then the answer timed out, say). Where a second run is unsafe
+    (``at_most_once``, ``verified``) the call becomes ``unknown`` at once and is settled as
+    after a crash mid-run: by the verify hook, an operator or ``unknown_deadline``; the model
+    is never told "failed" for what may have happened. Where a second run is safe, the
+    handler runs again: within its claim up to the tool's ``retries``, then as an ``unknown``
+    call, up to ``max_attempts``. The message goes to the audit trail (redacted), never to
+    the model."""
+
+    def __init__(self, message: str = "the handler could not tell whether its effect happened") -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """A run that ended without knowing whether its side effect happened (its handler raised
+    ``MaybeExecuted``): there is no result to send; the call becomes ``unknown``."""
+
+    reason: str
+    """For the audit trail: what the handler said (redacted when stored)."""
+    detail: str | None = None
+    """Redacted diagnostic (the traceback) for the audit trail only."""
 
 
 class OutputError(Exception):
@@ -59,6 +101,9 @@ class Outcome:
     detail: str | None = None
     """Redacted diagnostic (a traceback) for the audit trail only."""
     stage: FailureStage | None = None
+    retried: tuple[str, ...] = ()
+    """The exceptions (their class names) the handler was run again after, within its claim,
+    before this outcome: said in the audit event that stores it."""
 
     @property
     def success(self) -> bool:
@@ -98,12 +143,24 @@ def failed(key: CallKey, message: str, stage: FailureStage, detail: str | None =
 def tool_error_message(error: ToolError, redactor: Redactor = DEFAULT_REDACTOR) -> str:
     """A ToolError's message for the model: redacted and capped. A subclass that skipped
     ``ToolError.__init__`` or carries no text gets the fixed message."""
+    return _message_for_model(error, FAILED_MESSAGE, redactor)
+
+
+def not_executed_message(error: NotExecuted, redactor: Redactor = DEFAULT_REDACTOR) -> str:
+    """A NotExecuted's message for the model, as a ToolError's (redacted and capped); the
+    fixed ``NOT_EXECUTED_MESSAGE`` when it carries no text."""
+    return _message_for_model(error, NOT_EXECUTED_MESSAGE, redactor)
+
+
+def _message_for_model(error: ToolError | NotExecuted, fallback: str, redactor: Redactor) -> str:
+    """The message an exception meant for the model carries: its own ``message`` (or text),
+    redacted and capped; ``fallback`` when it has none, or when reading it fails."""
     try:
         message = error.message if isinstance(getattr(error, "message", None), str) else str(error)
     except Exception:  # an evil __str__
-        return FAILED_MESSAGE
+        return fallback
     if not message:
-        return FAILED_MESSAGE
+        return fallback
     text = redactor.text(message)
     return _capped(text, TOOL_ERROR_MAX_CHARS)
 

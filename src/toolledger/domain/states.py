@@ -17,7 +17,8 @@ class CallStatus(StrEnum):
     FAILED = "failed"
     """A failure result is stored, not yet submitted."""
     UNKNOWN = "unknown"
-    """The handler may have run, but its lease expired without a result."""
+    """The handler may have run, but left no result: its lease expired first, or it said
+    itself that it could not tell (``MaybeExecuted``)."""
     SUBMITTED = "submitted"
     """The result was accepted by the Agents API (``confirmed_at`` once it left required_actions)."""
     ABANDONED = "abandoned"
@@ -156,6 +157,17 @@ EXPIRE = Transition(
 )
 """A running call whose lease ran out without a result (or whose owner is gone)."""
 
+MARK_UNKNOWN = Transition(
+    "mark_unknown",
+    frozenset({CallStatus.RUNNING}),
+    CallStatus.UNKNOWN,
+    frozenset({"lease_expires_at"}),
+    fencing=Fencing.LEASE_TOKEN,
+)
+"""The run holding the lease ended without knowing whether its side effect happened (its
+handler raised ``MaybeExecuted``): the call is ``unknown`` at once, as it would be once its
+lease ran out, and is settled by its effect class the same way."""
+
 SUBMIT = Transition(
     "submit",
     RESULT_STATUSES,
@@ -195,6 +207,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     *SETTLE,
     REOPEN,
     EXPIRE,
+    MARK_UNKNOWN,
     SUBMIT,
     ABANDON,
 )

@@ -27,7 +27,7 @@ from toolledger.crashpoints import (
 from toolledger.domain.delivered import DeliveredCall
 from toolledger.domain.keys import ArgumentsRefused, CallKey, parse_arguments
 from toolledger.domain.records import CallRecord
-from toolledger.domain.results import FailureStage, Outcome, failed
+from toolledger.domain.results import FailureStage, InDoubt, Outcome, failed
 from toolledger.domain.states import RESULT_STATUSES, UNCONFIRMED_ALERT_AFTER, CallStatus, EffectClass
 from toolledger.domain.submissions import SubmitOutcome
 from toolledger.errors import FencedError
@@ -368,6 +368,17 @@ class Executor:
         except FencedError:
             log.warning("call %s: lease lost while running; result refused (fenced)", call.key)
             return HandleReport(call.key, HandleAction.FENCED, None)
+        if done.status is CallStatus.UNKNOWN:
+            # The handler could not tell whether its effect happened: no result to send. The
+            # call is settled by its effect class now, as after a lease that ran out.
+            log.info(
+                "call %s (%s, %s): the handler could not tell whether its effect happened; "
+                "the call is unknown",
+                call.key,
+                call.tool_name,
+                call.effect_class.value,
+            )
+            return await self._continue(done)
         crash_point(CP_AFTER_RESULT_COMMIT)
         return _submission_report(done, action, await self.submit(done))
 
@@ -384,9 +395,11 @@ class Executor:
             outcome = failed(call.key, str(error), FailureStage.ARGUMENTS)
             return await self.store.complete(call.key, token, outcome)
 
-        async def keep(outcome: Outcome, connection: AsyncConnection | None) -> CallRecord:
+        async def keep(outcome: Outcome | InDoubt, connection: AsyncConnection | None) -> CallRecord:
             # The one moment the handler has returned and its outcome is in this process only.
             crash_point(CP_AFTER_HANDLER)
+            if isinstance(outcome, InDoubt):
+                return await self.ledger.mark_unknown(call.key, token, outcome)
             if connection is not None:
                 return await self.store.complete(call.key, token, outcome, connection=connection)
             return await self.ledger.store_outcome(call.key, token, outcome)
@@ -398,7 +411,7 @@ class Executor:
             done = await finished_on_sqlite(
                 self.store.engine, self.handlers.run_transactional(tool, call, arguments, keep)
             )
-            # A failure's writes are rolled back; the failure result is still kept.
+            # A failure's writes are rolled back; the failure result (or the doubt) is still kept.
             return done if isinstance(done, CallRecord) else await keep(done, None)
         return await self.handlers.run(tool, call, arguments, keep)
 

@@ -13,10 +13,16 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pydantic
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from toolledger import metrics
 from toolledger.domain.keys import CallKey
@@ -27,11 +33,15 @@ from toolledger.domain.results import (
     OUTPUT_FAILED_MESSAGE,
     TIMEOUT_MESSAGE,
     FailureStage,
+    InDoubt,
+    MaybeExecuted,
+    NotExecuted,
     Outcome,
     OutputError,
     ToolError,
     failed,
     normalize_output,
+    not_executed_message,
     succeeded,
     tool_error_message,
     validation_message,
@@ -48,9 +58,10 @@ from toolledger.tracing import CallSpan, call_span
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
 
-    KeepOutcome = Callable[[Outcome, AsyncConnection | None], Awaitable[CallRecord]]
+    KeepOutcome = Callable[[Outcome | InDoubt, AsyncConnection | None], Awaitable[CallRecord]]
     """Stores a handler's outcome: in the given connection's transaction (a transactional
-    tool's, so that its writes and its result commit together), or on its own when None."""
+    tool's, so that its writes and its result commit together), or on its own when None. An
+    ``InDoubt`` (no result: the call becomes ``unknown``) is always stored on its own."""
 
 log = logging.getLogger("toolledger.executor")
 
@@ -66,7 +77,7 @@ class HandlerRunner:
         """Run the handler under the call's lease, then ``keep`` its outcome."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
-            outcome = await self._invoke(tool, self.context(tool, call), arguments)
+            outcome = (await self._invoke(tool, self.context(tool, call), arguments)).ending
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
@@ -75,39 +86,67 @@ class HandlerRunner:
 
     async def run_transactional(
         self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
-    ) -> CallRecord | Outcome:
+    ) -> CallRecord | Outcome | InDoubt:
         """The handler writes through the ledger's transaction; its result joins that commit
-        (``keep`` in the transaction), and the stored call is returned. A failed handler's
-        writes are rolled back and its failure returned, for the caller to keep."""
+        (``keep`` in the transaction), and the stored call is returned. A failed (or unsure)
+        handler's writes are rolled back and its outcome returned, for the caller to keep.
+        Each run within the claim (``retries``) has a transaction of its own: the writes of a
+        run that raised are gone before the next one starts."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
+        context = self.context(tool, call)
+        retried: list[str] = []
         try:
-            # On SQLite the tool's writes and the result are this process's writer meanwhile.
-            async with write_lock(self.store.engine), self.store.engine.connect() as connection:
-                transaction = await connection.begin()
-                context = self.context(tool, call)
-                if tool.is_async:
-                    outcome = await self._invoke(tool, replace(context, db=connection), arguments)
-                else:
-                    outcome = await connection.run_sync(
-                        lambda sync_connection: self._invoke_inline(
-                            tool, replace(context, db=sync_connection), arguments
-                        )
-                    )
-                if outcome.success:
-                    done = await keep(outcome, connection)
-                    await transaction.commit()
-                    return done
-                if connection.invalidated:
-                    # The handler failed because the database went away under it (a restart,
-                    # say): keeping "Tool handler failed" would answer the model for an outage.
-                    # The call stays running; once taken over it runs again, as is safe here.
-                    raise TransactionLostError(f"call {call.key}: the database connection was lost")
-                await transaction.rollback()
+            # Only a run that raised what the tool retries after is run again (``_RunAgain``):
+            # a lost connection or a refused result is never retried here.
+            async for attempt in self._retrying(tool, context, retried, after=(_RunAgain,)):
+                with attempt:
+                    ran = await self._in_transaction(tool, call, context, arguments, keep, retried)
+                    if isinstance(ran, _Ran):
+                        if isinstance(ran.error, tool.retry_on):
+                            raise _RunAgain(ran)
+                        return _with_retries(ran.ending, retried)
+                    return ran
+        except _RunAgain as last:
+            return _with_retries(last.ran.ending, retried)
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
                 await heartbeat
-        return outcome
+        raise AssertionError("unreachable: the retry policy re-raises")
+
+    async def _in_transaction(
+        self,
+        tool: RegisteredTool,
+        call: CallRecord,
+        context: ToolContext,
+        arguments: dict[str, Any],
+        keep: KeepOutcome,
+        retried: list[str],
+    ) -> CallRecord | _Ran:
+        """One run of a transactional handler in a transaction of its own: committed with its
+        result if it succeeded (the stored call returned), else rolled back."""
+        # On SQLite the tool's writes and the result are this process's writer meanwhile.
+        async with write_lock(self.store.engine), self.store.engine.connect() as connection:
+            transaction = await connection.begin()
+            if tool.is_async:
+                ran = await self._invoke(tool, replace(context, db=connection), arguments, retry=False)
+            else:
+                ran = await connection.run_sync(
+                    lambda sync_connection: self._invoke_inline(
+                        tool, replace(context, db=sync_connection), arguments
+                    )
+                )
+            if isinstance(ran.ending, Outcome) and ran.ending.success:
+                done = await keep(_with_retries(ran.ending, retried), connection)
+                await transaction.commit()
+                return done
+            if connection.invalidated:
+                # The handler failed because the database went away under it (a restart,
+                # say): keeping "Tool handler failed" would answer the model for an outage.
+                # The call stays running; once taken over it runs again, as is safe here.
+                raise TransactionLostError(f"call {call.key}: the database connection was lost")
+            await transaction.rollback()
+            return ran
 
     async def verify(self, tool: RegisteredTool, call: CallRecord) -> Verified:
         """Ask the downstream system whether the first run happened; with its result if so."""
@@ -149,9 +188,47 @@ class HandlerRunner:
             ),
         )
 
-    async def _invoke(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> Outcome:
-        """Run the handler and turn whatever happens into the result the model gets."""
+    def _retrying(
+        self,
+        tool: RegisteredTool,
+        context: ToolContext,
+        retried: list[str],
+        after: tuple[type[BaseException], ...] | None = None,
+    ) -> AsyncRetrying:
+        """Runs of a handler within its claim: again after what the tool's ``retry_on`` names
+        (or ``after``), up to ``retries`` times, with exponential backoff; ``retried``
+        collects what each next run came after."""
+
+        def note_retry(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            if isinstance(error, _RunAgain):
+                error = error.ran.error
+            retried.append(type(error).__name__)
+            log.info(
+                "call %s (%s): handler raised %s; running it again within its claim (%d of %d)",
+                context.key,
+                tool.name,
+                type(error).__name__,
+                state.attempt_number,
+                tool.retries,
+            )
+
+        return AsyncRetrying(
+            stop=stop_after_attempt(tool.retries + 1),
+            wait=wait_exponential(multiplier=0.05, max=2),
+            retry=retry_if_exception_type(tool.retry_on if after is None else after),
+            before_sleep=note_retry,
+            reraise=True,
+        )
+
+    async def _invoke(
+        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any], *, retry: bool = True
+    ) -> _Ran:
+        """Run the handler and turn whatever happens into the result the model gets (or, if
+        it cannot tell whether its effect happened, into an ``InDoubt``). ``retry``: run it
+        again within the claim as the tool's ``retries`` say; else once."""
         stage = _Stage()
+        retried: list[str] = []
 
         async def attempt_once() -> Any:
             deadline = asyncio.timeout(
@@ -171,44 +248,40 @@ class HandlerRunner:
                 raise
 
         with _handler_run(tool, context) as span:
+            raised: Exception | None = None
             try:
-                if tool.retries:
-                    async for attempt in AsyncRetrying(
-                        stop=stop_after_attempt(tool.retries + 1),
-                        wait=wait_exponential(multiplier=0.05, max=2),
-                        retry=retry_if_exception_type(tool.retry_on),
-                        reraise=True,
-                    ):
+                if retry and tool.retries:
+                    async for attempt in self._retrying(tool, context, retried):
                         with attempt:
                             value = await attempt_once()
                 else:
                     value = await attempt_once()
-                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+                ending: Outcome | InDoubt = succeeded(
+                    context.key, normalize_output(value, self.settings.max_output_bytes)
+                )
             except Exception as error:
-                outcome = _failure(context.key, error, stage, self.store.redactor)
-            _note_outcome(span, outcome)
-            return outcome
+                raised = error
+                ending = _ending(context.key, error, stage, self.store.redactor)
+            ending = _with_retries(ending, retried)
+            _note_outcome(span, ending)
+            return _Ran(ending, raised)
 
-    def _invoke_inline(
-        self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]
-    ) -> Outcome:
-        """A sync transactional handler: run on this thread, inside the connection's greenlet,
-        so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
+    def _invoke_inline(self, tool: RegisteredTool, context: ToolContext, arguments: dict[str, Any]) -> _Ran:
+        """A sync transactional handler, run once: on this thread, inside the connection's
+        greenlet, so that ``ctx.db`` (a sync Connection) is usable. No timeout can interrupt it."""
         stage = _Stage()
         with _handler_run(tool, context) as span:
+            raised: Exception | None = None
             try:
-                for attempt in range(tool.retries + 1):
-                    try:
-                        value = tool.function_tool._call(arguments, stage.set)
-                        break
-                    except tool.retry_on:
-                        if attempt == tool.retries:
-                            raise
-                outcome = succeeded(context.key, normalize_output(value, self.settings.max_output_bytes))
+                value = tool.function_tool._call(arguments, stage.set)
+                ending: Outcome | InDoubt = succeeded(
+                    context.key, normalize_output(value, self.settings.max_output_bytes)
+                )
             except Exception as error:
-                outcome = _failure(context.key, error, stage, self.store.redactor)
-            _note_outcome(span, outcome)
-            return outcome
+                raised = error
+                ending = _ending(context.key, error, stage, self.store.redactor)
+            _note_outcome(span, ending)
+            return _Ran(ending, raised)
 
     async def _heartbeat(self, key: CallKey, token: int) -> None:
         while True:
@@ -231,6 +304,23 @@ def _call_in_thread(tool: RegisteredTool, arguments: dict[str, Any], on_stage: A
 
 class _HandlerTimeout(Exception):
     pass
+
+
+class _Ran(NamedTuple):
+    """How a run of a handler (with its retries, if it had them) ended."""
+
+    ending: Outcome | InDoubt
+    error: Exception | None
+    """What it raised, if it did."""
+
+
+class _RunAgain(Exception):
+    """A transactional run that raised what its tool retries after: its transaction is rolled
+    back, and the next run gets a new one."""
+
+    def __init__(self, ran: _Ran) -> None:
+        super().__init__(type(ran.error).__name__)
+        self.ran = ran
 
 
 class _Stage:
@@ -259,24 +349,67 @@ def _handler_run(tool: RegisteredTool, context: ToolContext) -> Iterator[CallSpa
         reset_context(reset)
 
 
-def _note_outcome(span: CallSpan, outcome: Outcome) -> None:
+def _note_outcome(span: CallSpan, outcome: Outcome | InDoubt) -> None:
+    if isinstance(outcome, InDoubt):
+        span.set("outcome", "unknown")
+        return
     span.set("outcome", "succeeded" if outcome.success else "failed")
     if outcome.stage is not None:
         span.failed(f"handler failed at {outcome.stage.value}")
+
+
+def _with_retries(ending: Outcome | InDoubt, retried: list[str]) -> Outcome | InDoubt:
+    """``ending`` saying what the handler was run again after within its claim, if anything."""
+    if not retried:
+        return ending
+    if isinstance(ending, InDoubt):
+        again = ", ".join(retried)
+        return replace(ending, reason=f"{ending.reason} (run {len(retried) + 1} times; again after {again})")
+    return replace(ending, retried=tuple(retried))
+
+
+def _ending(
+    key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR
+) -> Outcome | InDoubt:
+    """How a run that raised ends: in doubt if the handler said it cannot tell whether its
+    effect happened, else the failure the model is told."""
+    if isinstance(error, MaybeExecuted):
+        return InDoubt(f"handler raised MaybeExecuted: {_audit_message(error)}", detail=_traceback_of(error))
+    return _failure(key, error, stage, redactor)
+
+
+def _audit_message(error: MaybeExecuted) -> str:
+    """A MaybeExecuted's message for the audit trail (the store redacts it), capped."""
+    try:
+        message = error.message if isinstance(getattr(error, "message", None), str) else str(error)
+    except Exception:  # an evil __str__
+        message = ""
+    message = message or "(no message)"
+    return message if len(message) <= 300 else message[:299] + "…"
+
+
+def _traceback_of(error: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(error))
+    except Exception:  # an exception whose own __str__ or __repr__ fails
+        return f"{type(error).__qualname__} (its text could not be rendered)"
 
 
 def _failure(key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR) -> Outcome:
     """The result the model gets for a failure: never the exception's own text."""
     if isinstance(error, ToolError):
         return failed(key, tool_error_message(error, redactor), FailureStage.EXECUTION)
+    if isinstance(error, NotExecuted):
+        # Meant for the model, as a ToolError's message; the traceback (with what it was
+        # raised from) stays in the audit trail.
+        return failed(
+            key, not_executed_message(error, redactor), FailureStage.NOT_EXECUTED, _traceback_of(error)
+        )
     if isinstance(error, pydantic.ValidationError) and stage.value == "arguments":
         return failed(key, validation_message(error, redactor), FailureStage.ARGUMENTS)
     if isinstance(error, _HandlerTimeout):
         return failed(key, TIMEOUT_MESSAGE, FailureStage.TIMEOUT)
-    try:
-        detail = "".join(traceback.format_exception(error))
-    except Exception:  # an exception whose own __str__ or __repr__ fails
-        detail = f"{type(error).__qualname__} (its text could not be rendered)"
+    detail = _traceback_of(error)
     if isinstance(error, OutputError):
         return failed(key, str(error), FailureStage.OUTPUT, detail=detail)
     if stage.value == "output":  # the SDK failed to serialise what the handler returned

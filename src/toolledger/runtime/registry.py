@@ -20,7 +20,7 @@ import pydantic
 from openai import omit
 from openai.lib.beta.agents import FunctionTool, function_tool, pydantic_function_tool
 
-from toolledger.domain.results import bounded_list
+from toolledger.domain.results import MaybeExecuted, NotExecuted, bounded_list
 from toolledger.domain.states import EffectClass
 from toolledger.errors import RegistryError
 from toolledger.runtime.context import ToolContext, Verification, current_context, output_limit
@@ -29,6 +29,7 @@ VerifyHook = Callable[[ToolContext], Verification | Awaitable[Verification]]
 ApprovalRule = Callable[[dict[str, Any], ToolContext], bool]
 """Whether one call needs a person's approval, from its arguments and context."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
+"""What a re-runnable tool's ``retries`` run again after unless it names its own ``retry_on``."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class RegisteredTool:
     timeout: float | None
     retries: int
     retry_on: tuple[type[BaseException], ...]
+    """What the handler is run again after within its claim (up to ``retries`` times): as
+    declared (``TRANSIENT_ERRORS`` by default) plus ``NotExecuted`` and ``MaybeExecuted``
+    where a second run is safe; ``NotExecuted`` alone where it is not."""
     verify: VerifyHook | None
     unknown_deadline: float | None
     """at_most_once: seconds an ``unknown`` call waits for an operator before a fixed failure
@@ -86,7 +90,7 @@ class ToolRegistry:
         effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
         timeout: float | None = None,
         retries: int = 0,
-        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        retry_on: tuple[type[BaseException], ...] | None = None,
         verify: VerifyHook | None = None,
         unknown_deadline: float | None = None,
         defer_loading: bool = False,
@@ -105,7 +109,7 @@ class ToolRegistry:
         effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
         timeout: float | None = None,
         retries: int = 0,
-        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        retry_on: tuple[type[BaseException], ...] | None = None,
         verify: VerifyHook | None = None,
         unknown_deadline: float | None = None,
         defer_loading: bool = False,
@@ -118,7 +122,11 @@ class ToolRegistry:
 
         ``effect``: what a second run would do (``at_most_once`` by default: never run twice).
         ``timeout``: seconds a run may take (default ``TOOLLEDGER_HANDLER_TIMEOUT_SECONDS``).
-        ``retries``/``retry_on``: runs again within one claim on these exceptions.
+        ``retries``/``retry_on``: runs again within one claim on these exceptions (default
+        ``TRANSIENT_ERRORS``), and on ``NotExecuted`` and ``MaybeExecuted``, with exponential
+        backoff. Where a second run is unsafe (``at_most_once``, ``verified``) ``retries``
+        counts ``NotExecuted`` alone (nothing happened, so a retry is no second effect) and
+        ``retry_on`` cannot be given.
         ``verify``: for ``verified`` tools, asks downstream whether an interrupted run happened.
         ``unknown_deadline``: seconds (default None: no deadline) an interrupted run of an
         ``at_most_once`` or ``verified`` call may stay ``unknown``, counted from the end of its
@@ -161,7 +169,7 @@ class ToolRegistry:
         effect: EffectClass | str = EffectClass.AT_MOST_ONCE,
         timeout: float | None = None,
         retries: int = 0,
-        retry_on: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        retry_on: tuple[type[BaseException], ...] | None = None,
         verify: VerifyHook | None = None,
         unknown_deadline: float | None = None,
         max_attempts: int | None = None,
@@ -215,7 +223,7 @@ class ToolRegistry:
         effect: EffectClass | str,
         timeout: float | None,
         retries: int,
-        retry_on: tuple[type[BaseException], ...],
+        retry_on: tuple[type[BaseException], ...] | None,
         verify: VerifyHook | None,
         unknown_deadline: float | None,
         max_attempts: int | None,
@@ -235,9 +243,13 @@ class ToolRegistry:
             raise RegistryError(f"tool {tool.name!r}: a verify hook needs effect 'verified'")
         if retries < 0:
             raise RegistryError(f"tool {tool.name!r}: retries must be >= 0")
-        if retries and not effect_class.rerun_is_safe:
+        if retry_on is not None and not _exception_classes(retry_on):
+            raise RegistryError(f"tool {tool.name!r}: retry_on must be a tuple of exception classes")
+        if retry_on is not None and not effect_class.rerun_is_safe:
             raise RegistryError(
-                f"tool {tool.name!r}: retries re-run the handler, which effect {effect_class.value!r} forbids"
+                f"tool {tool.name!r}: effect {effect_class.value!r} forbids a second run after an error: "
+                "retries count NotExecuted alone (raise it where the effect surely did not happen; "
+                "toolledger.classify_http_error tells for HTTP errors), so retry_on cannot be given"
             )
         if timeout is not None and timeout <= 0:
             raise RegistryError(f"tool {tool.name!r}: timeout must be positive")
@@ -258,7 +270,7 @@ class ToolRegistry:
             effect=effect_class,
             timeout=timeout,
             retries=retries,
-            retry_on=retry_on,
+            retry_on=_retried_after(effect_class, retry_on),
             verify=verify,
             unknown_deadline=unknown_deadline,
             is_async=is_async,
@@ -282,6 +294,22 @@ class ToolRegistry:
         if any(d.get("defer_loading") for d in definitions):
             definitions.append({"type": "tool_search"})
         return definitions
+
+
+def _exception_classes(given: Any) -> bool:
+    return isinstance(given, tuple) and all(
+        isinstance(e, type) and issubclass(e, BaseException) for e in given
+    )
+
+
+def _retried_after(
+    effect: EffectClass, declared: tuple[type[BaseException], ...] | None
+) -> tuple[type[BaseException], ...]:
+    """What ``retries`` run the handler again after, for a tool of ``effect``."""
+    if not effect.rerun_is_safe:
+        return (NotExecuted,)
+    retry_on = TRANSIENT_ERRORS if declared is None else tuple(declared)
+    return (*retry_on, *(e for e in (NotExecuted, MaybeExecuted) if e not in retry_on))
 
 
 def _parameter_hints(fn: Callable[..., Any]) -> dict[str, Any]:

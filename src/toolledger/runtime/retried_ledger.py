@@ -20,7 +20,7 @@ from toolledger import metrics
 from toolledger.domain.delivered import DeliveredCall
 from toolledger.domain.keys import CallKey, refused_arguments_preview
 from toolledger.domain.records import CallRecord, Recorded
-from toolledger.domain.results import Outcome
+from toolledger.domain.results import InDoubt, Outcome
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.errors import FencedError
 from toolledger.settings import Settings
@@ -114,6 +114,15 @@ class RetriedLedger:
                 except Exception as error:
                     ambiguous = ambiguous or is_transient(error)
                     raise
+        raise AssertionError("unreachable: the retry policy re-raises")
+
+    async def mark_unknown(self, key: CallKey, token: int, doubt: InDoubt) -> CallRecord:
+        """The run cannot tell whether its effect happened: the call becomes ``unknown``. A
+        retry after an ambiguous commit finds it so under this token, which is the same end
+        (``LedgerStore.mark_unknown``)."""
+        async for attempt in self.retrying():
+            with attempt:
+                return await self.store.mark_unknown(key, token, reason=doubt.reason, detail=doubt.detail)
         raise AssertionError("unreachable: the retry policy re-raises")
 
     async def mark_submitted(self, key: CallKey) -> None:

@@ -38,6 +38,7 @@ from toolledger.domain.states import (
     COMPLETE_LATE,
     DENY,
     EXPIRE,
+    MARK_UNKNOWN,
     RECORD_FOR_APPROVAL,
     REOPEN,
     RESULT_STATUSES,
@@ -374,6 +375,21 @@ class LedgerStore:
                 return await write(conn, item)
         except Exception as error:
             return error
+
+    async def mark_unknown(
+        self, key: CallKey, token: int, *, reason: str, detail: str | None = None
+    ) -> CallRecord:
+        """The run holding lease ``token`` cannot tell whether its side effect happened: the
+        call becomes ``unknown`` now (``MARK_UNKNOWN``). Found ``unknown`` under that token
+        already (its lease ran out first, or an earlier try of this write committed), it is
+        returned as it is. Raises FencedError if another run took the call."""
+        call = await self._transition(MARK_UNKNOWN, key, reason, {"p_token": token}, detail=detail)
+        if call is not None:
+            return call
+        current = await self.get(key)
+        if current is not None and current.status is CallStatus.UNKNOWN and current.lease_token == token:
+            return current
+        raise FencedError(f"{key}: lease token {token} is no longer current; unknown outcome refused")
 
     async def settle(self, key: CallKey, outcome: Outcome, *, reason: str) -> CallRecord | None:
         """Give an ``unknown`` call its outcome without running it (verify hook, operator, deadline)."""
@@ -803,8 +819,13 @@ def _executor_for(engine: AsyncEngine) -> type[LedgerStore]:
 
 
 def completed_reason(outcome: Outcome) -> str:
-    """The audit reason of a run's outcome stored: the stage that failed, if one did."""
-    return outcome.stage.value if outcome.stage else "handler returned"
+    """The audit reason of a run's outcome stored: the stage that failed, if one did, and
+    what the handler was run again after within its claim, if anything."""
+    reason = outcome.stage.value if outcome.stage else "handler returned"
+    if not outcome.retried:
+        return reason
+    runs = len(outcome.retried) + 1
+    return f"{reason} (run {runs} times within its claim; again after {', '.join(outcome.retried)})"
 
 
 def require(call: CallRecord | None, what: str) -> CallRecord:

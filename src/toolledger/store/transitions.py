@@ -25,6 +25,7 @@ from toolledger.domain.states import (
     COMPLETE_LATE,
     DENY,
     EXPIRE,
+    MARK_UNKNOWN,
     RECORD,
     RECORD_FOR_APPROVAL,
     REOPEN,
@@ -105,6 +106,8 @@ WRITES: Mapping[str, Mapping[str, Any]] = {
     REOPEN.name: {"lease_expires_at": None},
     # When the run's lease ended: an unknown call's deadline counts from here.
     EXPIRE.name: {"lease_expires_at": case((LEASE_RAN_OUT, tool_calls.c.lease_expires_at), else_=utc_now())},
+    # The run ends here: an unknown call's deadline counts from now, as from a lease's end.
+    MARK_UNKNOWN.name: {"lease_expires_at": utc_now()},
     SUBMIT.name: {
         "submitted_at": utc_now(),
         "submission_count": tool_calls.c.submission_count + 1,
