@@ -20,12 +20,14 @@ _EXPORTS = {
     "ToolRegistry": "toolledger.runtime.registry",
     "Verification": "toolledger.runtime.context",
     "current_context": "toolledger.runtime.context",
+    "verify_alert_signature": "toolledger.runtime.alert_signature",
 }
 
 if TYPE_CHECKING:
     from toolledger.domain.keys import CallKey
     from toolledger.domain.results import ToolError
     from toolledger.domain.states import CallStatus, EffectClass
+    from toolledger.runtime.alert_signature import verify_alert_signature
     from toolledger.runtime.context import ToolContext, Verification, current_context
     from toolledger.runtime.registry import ToolRegistry
     from toolledger.runtime.service import Service
@@ -51,4 +53,5 @@ __all__ = [
     "ToolRegistry",
     "Verification",
     "current_context",
+    "verify_alert_signature",
 ]
