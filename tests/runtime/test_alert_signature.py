@@ -1,0 +1,65 @@
+"""Signing an alert and checking it as a receiver would (``verify_alert_signature``)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import pytest
+
+from toolledger import verify_alert_signature
+from toolledger.runtime.alert_signature import sign_alert
+
+KEY = "whsec-unit-0123456789abcdef"
+BODY = b'{"id":"tla_1","kind":"unknown"}'
+NOW = 1_800_000_000
+
+
+def test_sign_alert__the_documented_scheme__hmac_sha256_of_timestamp_dot_body() -> None:
+    expected = hmac.new(KEY.encode(), f"{NOW}.".encode() + BODY, hashlib.sha256).hexdigest()
+    assert sign_alert(BODY, KEY, NOW) == f"t={NOW},v1={expected}"
+
+
+def test_verify__own_signature__accepted_within_tolerance_as_bytes_or_text() -> None:
+    header = sign_alert(BODY, KEY, NOW)
+    assert verify_alert_signature(BODY, header, KEY, now=NOW)
+    assert verify_alert_signature(BODY.decode(), header, KEY.encode(), now=NOW + 299)
+
+
+@pytest.mark.parametrize(
+    ("body", "header", "key", "now"),
+    [
+        (BODY, sign_alert(BODY, KEY, NOW), "whsec-another-key-0123456789", NOW),
+        (BODY + b" ", sign_alert(BODY, KEY, NOW), KEY, NOW),
+        (BODY, sign_alert(BODY, KEY, NOW), KEY, NOW + 301),
+        (BODY, sign_alert(BODY, KEY, NOW), KEY, NOW - 301),
+        (BODY, sign_alert(BODY, KEY, NOW).replace(f"t={NOW}", f"t={NOW + 1}"), KEY, NOW),
+        (BODY, None, KEY, NOW),
+        (BODY, "", KEY, NOW),
+        (BODY, f"t={NOW}", KEY, NOW),
+        (BODY, "v1=" + "0" * 64, KEY, NOW),
+        (BODY, f"t=soon,v1={'0' * 64}", KEY, NOW),
+        (BODY, f"t={NOW},v1=ünïcode", KEY, NOW),
+    ],
+    ids=[
+        "other-key",
+        "body-changed",
+        "too-old",
+        "from-the-future",
+        "timestamp-changed",
+        "no-header",
+        "empty-header",
+        "no-signature",
+        "no-timestamp",
+        "timestamp-not-a-number",
+        "not-hex",
+    ],
+)
+def test_verify__anything_else__refused(body: bytes, header: str | None, key: str, now: int) -> None:
+    assert not verify_alert_signature(body, header, key, now=now)
+
+
+def test_verify__several_signatures__any_one_matching_is_enough() -> None:
+    """A sender changing its key may sign with both for a while."""
+    good = sign_alert(BODY, KEY, NOW).split(",")[1]
+    assert verify_alert_signature(BODY, f"t={NOW},v1={'0' * 64},{good}", KEY, now=NOW)
