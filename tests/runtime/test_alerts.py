@@ -6,6 +6,7 @@ hangs; a restart; two replicas."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from sqlalchemy import select
 from tests.support.alert_receiver import AlertReceiver, ReceivedAlert, free_port, receiver_url
 from tests.support.executor_harness import FunctionCallAction, pending_actions
 from tests.support.polling import eventually
+from tests.support.serve_process import TOOLS, ServeProcess, run_cli
 from tests.support.service_harness import running_service
 from tests.support.workload import start_sessions, wait_until_idle
 from toolledger import verify_alert_signature
@@ -31,6 +33,7 @@ from toolledger.runtime.service import Service
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import alert_cursors
+from toolledger.store.sessions import SessionStore
 
 SIGNING_KEY = "whsec-test-0123456789abcdefghijklmnop"
 PUBLIC_URL = "https://ledger.example.com/"
@@ -319,3 +322,70 @@ async def test_alerts__webhook_without_a_secret__serve_refuses_to_start(
             pass
     assert "TOOLLEDGER_ALERT_WEBHOOK_SECRET is not" in str(refused.value)
     assert "TOOLLEDGER_ALERT_WEBHOOK_URL" in str(refused.value)
+
+
+async def test_alerts__serve_sigkilled_inside_a_handler__the_restarted_serve_alerts_unknown(
+    database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+) -> None:
+    """The real thing: `toolledger serve` configured by its environment dies (SIGKILL) inside
+    an at_most_once handler; once restarted, the call is unknown and a signed alert says so."""
+    [session_id] = await start_sessions(emulator, 1, Script.of_calls([("charge", {"amount": 7})]))
+    with AlertReceiver() as receiver:
+        webhook = {
+            "TOOLLEDGER_ALERT_WEBHOOK_URL": receiver.url,
+            "TOOLLEDGER_ALERT_WEBHOOK_SECRET": SIGNING_KEY,
+            "TOOLLEDGER_PUBLIC_URL": PUBLIC_URL,
+        }
+        first = ServeProcess(
+            database_url,
+            emulator.base_url,
+            tmp_path / "serve-1.log",
+            crash_at="inside_handler",
+            settings=webhook,
+        )
+        with first:
+            await asyncio.to_thread(first.wait_serving)
+            await watch(database_url, session_id)
+            assert await asyncio.to_thread(first.wait_exit, 30.0) == -signal.SIGKILL
+        with ServeProcess(
+            database_url, emulator.base_url, tmp_path / "serve-2.log", settings=webhook
+        ) as second:
+            [alert] = await alerts_received(receiver, 1, within=30.0)
+            await asyncio.sleep(1.0)
+            log = second.log()
+
+    assert_signed(alert)
+    assert (alert.json["kind"], alert.json["call"]["tool"]) == ("unknown", "charge")
+    assert alert.json["url"].startswith("https://ledger.example.com/ui/#call=tl_")
+    assert len(receiver.alerts()) == 1
+    assert SIGNING_KEY not in log + first.log()
+    assert "hooks/toolledger" not in log, "the webhook's path (it may hold a credential) is not logged"
+
+
+async def watch(database_url: str, session_id: str) -> None:
+    """What `toolledger sessions watch` writes: a running serve picks the session up."""
+    engine = create_engine(database_url)
+    try:
+        await SessionStore(engine).watch(session_id)
+    finally:
+        await engine.dispose()
+
+
+def test_serve_cli__webhook_without_secret_or_not_http__exits_naming_the_variable(
+    sqlite_url: str, emulator: EmulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TOOLLEDGER_ALERT_WEBHOOK_SECRET", raising=False)
+    monkeypatch.setenv("TOOLLEDGER_ALERT_WEBHOOK_URL", "https://ops.example.com/hooks/toolledger")
+    no_secret = run_cli("serve", "--tools", TOOLS, database_url=sqlite_url, base_url=emulator.base_url)
+    monkeypatch.setenv("TOOLLEDGER_ALERT_WEBHOOK_URL", "ops.example.com/hooks")
+    not_http = run_cli("serve", "--tools", TOOLS, database_url=sqlite_url, base_url=emulator.base_url)
+
+    assert no_secret.returncode == 1
+    assert (
+        "TOOLLEDGER_ALERT_WEBHOOK_URL is set but TOOLLEDGER_ALERT_WEBHOOK_SECRET is not" in no_secret.stderr
+    )
+    assert not_http.returncode == 2
+    assert "TOOLLEDGER_ALERT_WEBHOOK_URL: not an http:// or https:// URL with a host" in not_http.stderr
+    for done in (no_secret, not_http):
+        assert "Traceback" not in done.stderr + done.stdout
+        assert "serving:" not in done.stderr + done.stdout

@@ -48,6 +48,8 @@ LATE_WATCH_SECONDS = 600.0
 """An id the cursor went past without seeing it is looked for again this long (a commit
 slower than GAP_PATIENCE_SECONDS still raises its alert, out of order)."""
 LATE_IDS_KEPT = 1000
+CURSOR_SAVE_SECONDS = 5.0
+"""How often the cursor is saved while it moves over events that raise no alert."""
 TRIES_PER_ROUND = 3
 """POSTs of one alert in a round (with short pauses) before a failed round is noted."""
 FIRST_ROUND_PAUSE = 1.0
@@ -89,12 +91,7 @@ class AlertSender:
         self.poll_seconds = poll_seconds
         self.gap_patience_seconds = gap_patience_seconds
         self._secret = secret
-        self._client = httpx2.AsyncClient(
-            timeout=httpx2.Timeout(timeout),
-            follow_redirects=False,
-            limits=httpx2.Limits(max_connections=1, max_keepalive_connections=1),
-            headers={"User-Agent": f"toolledger/{__version__}", "Content-Type": "application/json"},
-        )
+        self._client: httpx2.AsyncClient | None = None
         self._late: dict[int, float] = {}
         """Ids the cursor went past unseen -> until when they are looked for."""
         self._announced = False
@@ -129,7 +126,8 @@ class AlertSender:
         try:
             await self.store.release(self.owner)
         finally:
-            await self._client.aclose()
+            if self._client is not None:
+                await self._client.aclose()
 
     async def _hold(self, lease: AlertLease) -> None:
         """Send under ``lease``, renewing it meanwhile; return once it is lost or the cursor
@@ -156,7 +154,12 @@ class AlertSender:
     # --------------------------------------------------------------- sending
 
     async def _send(self, lease: AlertLease) -> None:
-        cursor = lease.cursor
+        # ``cursor``: how far this sender has dealt with the trail; ``saved``: how far the
+        # ledger says. A delivery saves it in its own commit; a stretch of events that raise
+        # nothing is saved every CURSOR_SAVE_SECONDS (read again after a crash, it raises
+        # nothing again), so a busy ledger does not pay a write per look.
+        saved = cursor = lease.cursor
+        saved_at = time.monotonic()
         waiting: dict[int, float] = {}
         while True:
             try:
@@ -165,13 +168,15 @@ class AlertSender:
                 for subject in window.subjects:
                     if subject.event.id > horizon:
                         break
-                    if not await self._deliver(subject, lease, cursor=(cursor, subject.event.id)):
+                    if not await self._deliver(subject, lease, cursor=(saved, subject.event.id)):
                         return
-                    cursor = subject.event.id
-                if horizon > cursor:
-                    if not await self.store.advance(self.owner, lease.token, expected=cursor, to=horizon):
+                    saved = cursor = subject.event.id
+                    saved_at = time.monotonic()
+                cursor = max(cursor, horizon)
+                if cursor > saved and time.monotonic() - saved_at >= CURSOR_SAVE_SECONDS:
+                    if not await self.store.advance(self.owner, lease.token, expected=saved, to=cursor):
                         return
-                    cursor = horizon
+                    saved, saved_at = cursor, time.monotonic()
                 delivered = {subject.event.id for subject in window.subjects}
                 self._watch_late(i for i in passed if i not in delivered)
                 if not await self._deliver_late(lease):
@@ -189,7 +194,8 @@ class AlertSender:
         is waited for GAP_PATIENCE_SECONDS from when it was first missed); the missing ids it
         goes past are returned."""
         now = time.monotonic()
-        for seen in [i for i in waiting if i <= cursor or i not in window.missing]:
+        missing_now = set(window.missing)
+        for seen in [i for i in waiting if i <= cursor or i not in missing_now]:
             del waiting[seen]
         passed: list[int] = []
         for missing in window.missing:
@@ -273,6 +279,17 @@ class AlertSender:
                 return await self._post(raw, alert_id), attempt.retry_state.attempt_number
         raise AssertionError("tenacity either returns or raises")  # pragma: no cover
 
+    def _http(self) -> httpx2.AsyncClient:
+        """One connection, kept between alerts; built at the first alert, not at start."""
+        if self._client is None:
+            self._client = httpx2.AsyncClient(
+                timeout=httpx2.Timeout(self.timeout),
+                follow_redirects=False,
+                limits=httpx2.Limits(max_connections=1, max_keepalive_connections=1),
+                headers={"User-Agent": f"toolledger/{__version__}", "Content-Type": "application/json"},
+            )
+        return self._client
+
     async def _post(self, raw: bytes, alert_id: str) -> int:
         headers = {
             ALERT_ID_HEADER: alert_id,
@@ -281,7 +298,7 @@ class AlertSender:
         try:
             # The whole request, not each read: a receiver trickling bytes cannot hold it longer.
             async with asyncio.timeout(self.timeout):
-                async with self._client.stream("POST", self.url, content=raw, headers=headers) as response:
+                async with self._http().stream("POST", self.url, content=raw, headers=headers) as response:
                     status = response.status_code  # its body is not read: nothing of it is kept
         except (TimeoutError, httpx2.TimeoutException):
             ALERT_POSTS.labels("failed").inc()
