@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.support.paths import ROOT
 from toolledger import verify_alert_signature
 from toolledger.runtime.alert_signature import sign_alert
 
@@ -63,3 +71,46 @@ def test_verify__several_signatures__any_one_matching_is_enough() -> None:
     """A sender changing its key may sign with both for a while."""
     good = sign_alert(BODY, KEY, NOW).split(",")[1]
     assert verify_alert_signature(BODY, f"t={NOW},v1={'0' * 64},{good}", KEY, now=NOW)
+
+
+def test_example_receiver__prints_a_signed_alert_once__refuses_a_forged_one(tmp_path: Path) -> None:
+    """examples/alert_receiver.py, as the docs run it: verified, repeats dropped by id."""
+    env = {**os.environ, "TOOLLEDGER_ALERT_WEBHOOK_SECRET": KEY, "PYTHONPATH": str(ROOT)}
+    receiver = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "alert_receiver.py"), "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        url = receiver.stdout.readline().split(" at ")[1].strip()
+        alert = {
+            "id": "tla_0123",
+            "kind": "unknown",
+            "reason": "lease of w-1 expired without a result",
+            "call": {
+                "tool": "charge",
+                "session_id": "s",
+                "turn_id": "t",
+                "call_id": "c",
+                "status": "unknown",
+            },
+            "url": "https://ledger.example.com/ui/#call=tl_1",
+        }
+        body = json.dumps(alert).encode()
+        signed = {"X-Toolledger-Signature": sign_alert(body, KEY, int(time.time()))}
+        forged = {"X-Toolledger-Signature": sign_alert(body, "whsec-forger-0123456789", int(time.time()))}
+        statuses = [
+            httpx.post(url, content=body, headers=headers, timeout=10).status_code
+            for headers in (signed, signed, forged)
+        ]
+    finally:
+        receiver.terminate()
+        printed, _ = receiver.communicate(timeout=10)
+
+    assert statuses == [204, 204, 401]
+    assert printed.splitlines() == [
+        "unknown: charge s/t/c (unknown): lease of w-1 expired without a result "
+        "https://ledger.example.com/ui/#call=tl_1"
+    ]

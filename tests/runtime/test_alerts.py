@@ -335,6 +335,9 @@ async def test_alerts__serve_sigkilled_inside_a_handler__the_restarted_serve_ale
             "TOOLLEDGER_ALERT_WEBHOOK_URL": receiver.url,
             "TOOLLEDGER_ALERT_WEBHOOK_SECRET": SIGNING_KEY,
             "TOOLLEDGER_PUBLIC_URL": PUBLIC_URL,
+            # Far longer than the test: the dead replica's lease on the webhook is taken
+            # because it is found gone, not because the lease ran out.
+            "TOOLLEDGER_SESSION_LEASE_SECONDS": "120",
         }
         first = ServeProcess(
             database_url,
@@ -358,6 +361,7 @@ async def test_alerts__serve_sigkilled_inside_a_handler__the_restarted_serve_ale
     assert (alert.json["kind"], alert.json["call"]["tool"]) == ("unknown", "charge")
     assert alert.json["url"].startswith("https://ledger.example.com/ui/#call=tl_")
     assert len(receiver.alerts()) == 1
+    assert "the sender's lease of a replica that is gone was freed" in log
     assert SIGNING_KEY not in log + first.log()
     assert "hooks/toolledger" not in log, "the webhook's path (it may hold a credential) is not logged"
 

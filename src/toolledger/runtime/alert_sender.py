@@ -16,7 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from contextlib import suppress
 from urllib.parse import urlsplit
 
 import httpx2
@@ -95,6 +96,7 @@ class AlertSender:
         self._late: dict[int, float] = {}
         """Ids the cursor went past unseen -> until when they are looked for."""
         self._announced = False
+        self._wake = asyncio.Event()
 
     @property
     def destination(self) -> str:
@@ -113,13 +115,23 @@ class AlertSender:
                 log_failure(log, "alerts: the sender's lease could not be taken; retrying")
                 lease = None
             if lease is None:
-                # Another replica sends; its lease runs out if it dies.
-                await asyncio.sleep(max(self.poll_seconds, self.lease_seconds / 3))
+                # Another replica sends; its lease runs out if it dies (or is freed at once
+                # when it is found gone: ``take_over_from``).
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(self.poll_seconds, self.lease_seconds / 3))
+                self._wake.clear()
                 continue
             if not self._announced:
                 log.info("alerts: this replica sends the alert webhook's alerts to %s", self.destination)
                 self._announced = True
             await self._hold(lease)
+
+    async def take_over_from(self, gone: Collection[str]) -> None:
+        """Replicas provably gone (``store.liveness``): if one of them held the lease, free it
+        and take it now, not when it runs out."""
+        if await self.store.free(gone):
+            log.info("alerts: the sender's lease of a replica that is gone was freed")
+            self._wake.set()
 
     async def close(self) -> None:
         """Give the lease back (another replica takes over at once) and close the client."""

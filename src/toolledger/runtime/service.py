@@ -397,6 +397,8 @@ class Service:
             return False
         freed = await self.sessions.retire_replicas(gone)
         taken = await self.ledger.store.expire_leases(gone_owners=gone)
+        if self._alerts is not None:
+            await self._alerts.take_over_from(gone)
         named = sorted(gone)
         log.warning(
             "replica(s) %s gone (liveness lock free): took over %d session lease(s) and %d running call(s)",

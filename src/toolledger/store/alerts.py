@@ -151,6 +151,19 @@ class AlertStore:
         async with write_transaction(self.engine) as conn:
             await conn.execute(statement)
 
+    async def free(self, owners: Collection[str]) -> bool:
+        """Free the lease of replicas provably gone (``store.liveness``): taken at once by
+        another, not when it runs out. True if one was freed."""
+        if not owners:
+            return False
+        statement = (
+            alert_cursors.update()
+            .where(alert_cursors.c.name == self.destination, alert_cursors.c.owner.in_(sorted(owners)))
+            .values(owner=None, lease_expires_at=None, updated_at=utc_now())
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount == 1
+
     async def advance(self, owner: str, token: int, *, expected: int, to: int) -> bool:
         """Move the cursor from ``expected`` to ``to``; False if the lease is lost or the cursor
         was moved by someone else meanwhile (a prune on SQLite, ``AuditStore.prune``)."""
