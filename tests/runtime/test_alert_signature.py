@@ -17,6 +17,8 @@ import pytest
 from tests.support.paths import ROOT
 from toolledger import verify_alert_signature
 from toolledger.runtime.alert_signature import sign_alert
+from toolledger.settings import Settings
+from toolledger.settings_reference import effective
 
 KEY = "whsec-unit-0123456789abcdef"
 BODY = b'{"id":"tla_1","kind":"unknown"}'
@@ -114,3 +116,12 @@ def test_example_receiver__prints_a_signed_alert_once__refuses_a_forged_one(tmp_
         "unknown: charge s/t/c (unknown): lease of w-1 expired without a result "
         "https://ledger.example.com/ui/#call=tl_1"
     ]
+
+
+def test_settings__webhook_secret__masked_in_logs_audit_text_and_toolledger_config() -> None:
+    canary = "whsec-canary-5b8e0c1d9f"
+    settings = Settings(alert_webhook_url="https://ops.example.com/hooks", alert_webhook_secret=canary)
+
+    assert settings.redactor().text(f"signing with {canary} failed") == "signing with [REDACTED] failed"
+    [shown] = [o["value"] for o in effective(settings) if o["name"] == "alert_webhook_secret"]
+    assert shown == "[REDACTED]"
