@@ -20,7 +20,7 @@ from tests.support.alert_receiver import AlertReceiver, ReceivedAlert, free_port
 from tests.support.executor_harness import FunctionCallAction, pending_actions
 from tests.support.polling import eventually
 from tests.support.serve_process import TOOLS, ServeProcess, run_cli
-from tests.support.service_harness import running_service
+from tests.support.service_harness import running_service, service_settings
 from tests.support.workload import start_sessions, wait_until_idle
 from toolledger import verify_alert_signature
 from toolledger.domain.keys import CallKey
@@ -29,6 +29,7 @@ from toolledger.domain.results import UNKNOWN_OUTCOME_MESSAGE
 from toolledger.domain.states import EffectClass
 from toolledger.emulator import EmulatorServer, Script
 from toolledger.errors import ConfigurationError
+from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.service import Service
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
@@ -122,7 +123,7 @@ async def test_alerts__call_becomes_unknown_then_is_given_up__two_signed_alerts_
         assert alert.alert_id == alert.json["id"]
         assert alert.headers["content-type"] == "application/json"
         assert CANARY.encode() not in alert.body, "never the call's arguments"
-        assert b"4111" not in alert.body
+        assert b"4111 1111" not in alert.body
         assert UNKNOWN_OUTCOME_MESSAGE.encode() not in alert.body, "never its result"
         assert alert.json["call"] | {"status": None} == {
             "id": key.idempotency_key,
@@ -393,3 +394,28 @@ def test_serve_cli__webhook_without_secret_or_not_http__exits_naming_the_variabl
     for done in (no_secret, not_http):
         assert "Traceback" not in done.stderr + done.stdout
         assert "serving:" not in done.stderr + done.stdout
+
+
+async def test_alerts__call_of_a_gated_tool_awaits_approval__one_alert(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    registry = ToolRegistry()
+
+    @registry.tool(approval=True)
+    def refund(order_id: str, cents: int) -> str:
+        raise AssertionError("not approved: never run")
+
+    session_id, [action] = await pending_actions(emulator, [("refund", {"order_id": CANARY, "cents": 900})])
+    with AlertReceiver() as receiver:
+        settings = service_settings(database_url, emulator, **alert_settings(receiver.url))
+        async with Service(registry, settings, auto_migrate=False) as service:
+            await service.watch(session_id)
+            [alert] = await alerts_received(receiver, 1)
+            await asyncio.sleep(1.5)  # redeliveries and reconciles: still one alert
+
+    assert_signed(alert)
+    assert (alert.json["kind"], alert.json["call"]["status"]) == ("awaiting_approval", "awaiting_approval")
+    assert alert.json["call"]["tool"] == "refund"
+    assert alert.json["call"]["call_id"] == action.call_id
+    assert CANARY.encode() not in alert.body, "never the arguments a person is asked to approve"
+    assert len(receiver.alerts()) == 1

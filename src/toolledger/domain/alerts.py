@@ -18,6 +18,7 @@ from urllib.parse import quote
 from toolledger.domain.records import CallEvent
 from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import GIVEN_UP_REASONS
+from toolledger.domain.states import CallStatus
 
 ALERT_ID_PREFIX = "tla_"
 CALL_PAGE_PATH = "/ui/#call="
@@ -59,17 +60,17 @@ class AlertTrigger:
 
 ALERT_TRIGGERS: tuple[AlertTrigger, ...] = (
     # Any write that leaves a call unknown (a lease run out, its owner found gone).
-    AlertTrigger(AlertKind.UNKNOWN, to_status="unknown"),
-    # Spelled as a string: the status is declared with approvals (``approval=True`` tools).
-    AlertTrigger(AlertKind.AWAITING_APPROVAL, to_status="awaiting_approval"),
+    AlertTrigger(AlertKind.UNKNOWN, to_status=CallStatus.UNKNOWN.value),
+    # A call of a tool declared ``approval=...`` recorded to wait for a person.
+    AlertTrigger(AlertKind.AWAITING_APPROVAL, to_status=CallStatus.AWAITING_APPROVAL.value),
     # ``Executor._note_unconfirmed`` flags it once, after UNCONFIRMED_ALERT_AFTER acceptances.
     AlertTrigger(AlertKind.UNCONFIRMED, event_kind="unconfirmed"),
     # Recovery's own settlements (``runtime.decider``); an operator's resolution is not one.
     AlertTrigger(
         AlertKind.GIVEN_UP,
         event_kind="transition",
-        from_status="unknown",
-        to_status="failed",
+        from_status=CallStatus.UNKNOWN.value,
+        to_status=CallStatus.FAILED.value,
         reason_prefixes=GIVEN_UP_REASONS,
     ),
 )
