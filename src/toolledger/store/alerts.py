@@ -1,5 +1,5 @@
 """The alert sender's reads of the audit trail and its writes: the only writer of
-``alert_cursors``.
+``alert_cursors`` (but for a prune on SQLite, which brings cursors down: ``store.audit``).
 
 The audit trail is the outbox: every event that raises an alert (``domain.alerts``) is
 already written in the same commit as the change it records, so the sender reads events
