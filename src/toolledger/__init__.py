@@ -24,12 +24,14 @@ _EXPORTS = {
     "classified_http_errors": "toolledger.runtime.http_errors",
     "classify_http_error": "toolledger.runtime.http_errors",
     "current_context": "toolledger.runtime.context",
+    "verify_alert_signature": "toolledger.runtime.alert_signature",
 }
 
 if TYPE_CHECKING:
     from toolledger.domain.keys import CallKey
     from toolledger.domain.results import MaybeExecuted, NotExecuted, ToolError
     from toolledger.domain.states import CallStatus, EffectClass
+    from toolledger.runtime.alert_signature import verify_alert_signature
     from toolledger.runtime.context import ToolContext, Verification, current_context
     from toolledger.runtime.http_errors import classified_http_errors, classify_http_error
     from toolledger.runtime.registry import ToolRegistry
@@ -60,4 +62,5 @@ __all__ = [
     "classified_http_errors",
     "classify_http_error",
     "current_context",
+    "verify_alert_signature",
 ]

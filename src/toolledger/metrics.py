@@ -45,6 +45,12 @@ RETRIES = Counter(
     "Operations tried again after a transient failure, by operation (database, submission).",
     ["operation"],
 )
+ALERT_POSTS = Counter(
+    "toolledger_alert_posts",
+    "POSTs of alerts to the alert webhook, by outcome (delivered, failed): a failed one is tried "
+    "again until it is delivered.",
+    ["outcome"],
+)
 
 MAX_TOOL_LABELS = 100
 """Tool names come from the model too (an unknown tool is recorded under the name it used):
@@ -116,6 +122,7 @@ def _capped_tools(calls: Mapping[tuple[str, str], int]) -> dict[tuple[str, str],
 
 
 __all__ = [
+    "ALERT_POSTS",
     "HANDLER_DURATION",
     "RETRIES",
     "SUBMISSIONS",

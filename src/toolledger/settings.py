@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -150,6 +151,43 @@ class Settings(BaseSettings):
         description="When set, GET /metrics needs `Authorization: Bearer` with this token or any "
         "audit API token (read tokens too); unset, /metrics is open to anyone who can reach it.",
     )
+    alert_webhook_url: str | None = Field(
+        default=None,
+        description="`serve` POSTs a signed JSON alert here when a call needs a person: its outcome "
+        "is unknown, it awaits approval, it is flagged unconfirmed, or recovery gave it up "
+        "(docs/alerts.md). Needs TOOLLEDGER_ALERT_WEBHOOK_SECRET.",
+    )
+    alert_webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="Key of the alerts' HMAC-SHA256 signature (the X-Toolledger-Signature header), "
+        "shared with the receiver.",
+    )
+    alert_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Longest wait for the alert webhook to answer one POST."
+    )
+    alert_retry_max_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest pause between rounds of tries while the alert webhook fails; alerts "
+        "wait meanwhile (in the ledger, in order) and none is dropped.",
+    )
+    public_url: str | None = Field(
+        default=None,
+        description="Where people reach the audit API (e.g. https://toolledger.example.com): "
+        "alerts link to the call's page in its web view. Unset: alerts carry no link.",
+    )
+
+    @field_validator("alert_webhook_url", "public_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """An http(s) address with a host, or nothing (blank counts as unset)."""
+        if url is None or not url.strip():
+            return None
+        url = url.strip()
+        parsed = urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("not an http:// or https:// URL with a host")
+        return url
 
     @field_validator("database_url")
     @classmethod
@@ -175,15 +213,16 @@ class Settings(BaseSettings):
 
     def redactor(self) -> Redactor:
         """Redaction with the configured secret field names and the secrets toolledger holds
-        (API key, database password, audit API and metrics tokens)."""
+        (API key, database password, audit API and metrics tokens, alert webhook secret)."""
         tokens = (
             *self.api_tokens.values(),
             *self.api_read_tokens.values(),
             *((self.metrics_token,) if self.metrics_token is not None else ()),
         )
         secrets = [token.get_secret_value() for token in tokens]
-        if self.openai_api_key is not None:
-            secrets.append(self.openai_api_key.get_secret_value())
+        for secret in (self.openai_api_key, self.alert_webhook_secret):
+            if secret is not None:
+                secrets.append(secret.get_secret_value())
         password = make_url(self.database_url).password
         if password:
             secrets.append(str(password))

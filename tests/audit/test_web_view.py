@@ -25,6 +25,7 @@ from tests.support.paths import ROOT
 from tests.support.polling import eventually
 from tests.support.shop_tools import CANARY
 from tests.support.shop_tools import registry as shop_tools
+from toolledger.domain.alerts import call_page_url
 from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
 
@@ -321,9 +322,9 @@ async def test_web_view__deep_links_pages_outcomes_and_sessions(
     await _use_token(page, READER)
     rows = await _wait_rows(page, lambda rows: len(rows) >= 11)
 
-    # A link opens the call's detail directly.
+    # A link opens the call's detail directly (the link alerts carry: domain.alerts).
     target = rows[-1]["id"]
-    await page.goto(f"{api_url}/ui/#call={target}")
+    await page.goto(call_page_url(api_url, target))
     await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(target)
     assert target in await page.get_by_test_id("detail-link").get_attribute("href")
 

@@ -27,6 +27,21 @@ NOT_APPROVED_IN_TIME_MESSAGE = "Not run: the call was not approved in time."
 DENIED_PREFIX = "Not run: an operator denied the call: "
 NOT_EXECUTED_MESSAGE = "The tool's action was not carried out."
 """What the model hears of a ``NotExecuted`` that carries no text of its own."""
+GAVE_UP_AFTER_ATTEMPTS = "gave up after "
+GAVE_UP_AFTER_DEADLINE = "unknown for more than "
+GIVEN_UP_REASONS = (GAVE_UP_AFTER_ATTEMPTS, GAVE_UP_AFTER_DEADLINE)
+"""How the audit reason of a call given up begins (settled with POISON_MESSAGE or
+UNKNOWN_OUTCOME_MESSAGE by recovery, not by an operator): alerts are raised on it."""
+
+
+def gave_up_after_attempts(attempts: int) -> str:
+    return f"{GAVE_UP_AFTER_ATTEMPTS}{attempts} attempts"
+
+
+def gave_up_after_deadline(deadline: float) -> str:
+    return f"{GAVE_UP_AFTER_DEADLINE}{deadline:g}s: fixed failure submitted"
+
+
 TOOL_ERROR_MAX_CHARS = 500
 
 

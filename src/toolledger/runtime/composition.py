@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 
 from toolledger.errors import SchemaNotCurrentError
 from toolledger.settings import Settings
+from toolledger.store.alerts import AlertStore
 from toolledger.store.audit import AuditStore
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
@@ -141,6 +142,10 @@ class Runtime:
 
     def audit_store(self) -> AuditStore:
         return AuditStore(self.engine)
+
+    def alert_store(self, destination: str, *, actor: str) -> AlertStore:
+        """The cursor of one alert destination, and the notes of its alerts (by ``actor``)."""
+        return AlertStore(self.engine, destination=destination, actor=actor, redactor=self.redactor)
 
     def operator_views(self) -> OperatorViews:
         return OperatorViews(self.engine)

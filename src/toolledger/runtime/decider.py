@@ -18,6 +18,8 @@ from toolledger.domain.results import (
     FailureStage,
     Outcome,
     failed,
+    gave_up_after_attempts,
+    gave_up_after_deadline,
 )
 from toolledger.domain.states import RESULT_STATUSES, CallStatus, EffectClass
 from toolledger.runtime.context import VerifyAnswer
@@ -244,7 +246,7 @@ def _unknown(
     if call.attempt_count >= max_attempts:
         return Settle(
             failed(call.key, POISON_MESSAGE, FailureStage.RECOVERY),
-            f"gave up after {call.attempt_count} attempts",
+            gave_up_after_attempts(call.attempt_count),
         )
     return Claim(CallStatus.UNKNOWN, f"re-run after an unknown outcome ({effect.value})", HandleAction.RERUN)
 
@@ -268,7 +270,7 @@ def _wait_or_give_up(tool: RegisteredTool | None, call: CallRecord, now: datetim
     if waited >= deadline:
         return Settle(
             failed(call.key, UNKNOWN_OUTCOME_MESSAGE, FailureStage.RECOVERY),
-            f"unknown for more than {deadline:g}s: fixed failure submitted",
+            gave_up_after_deadline(deadline),
         )
     return AskOperator(deadline_in=deadline - waited, retry_in=deadline - waited)
 

@@ -38,6 +38,7 @@ from toolledger.errors import (
 )
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.logs import log_fields
+from toolledger.runtime.alert_sender import WEBHOOK, AlertSender, alert_sender_for
 from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
@@ -114,6 +115,7 @@ class Service:
         self._sessions: SessionStore | None = None
         self._runner: CallRunner | None = None
         self._reconciler: Reconciler | None = None
+        self._alerts: AlertSender | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -123,6 +125,14 @@ class Service:
                 "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY for the OpenAI API, or "
                 "TOOLLEDGER_OPENAI_BASE_URL for another server (a `toolledger emulator`, say)"
             )
+        runtime = self.ledger.runtime
+        # Refused before anything is taken: a webhook without a secret is a configuration error.
+        self._alerts = alert_sender_for(
+            self.settings,
+            runtime.alert_store(WEBHOOK, actor=f"alerts:{self.replica_id}"),
+            owner=self.replica_id,
+            redactor=runtime.redactor,
+        )
         if self.ledger.engine_is_sqlite:
             self._lock.acquire()
         try:
@@ -149,6 +159,10 @@ class Service:
             in_flight=self._runner.is_running,
         )
         try:
+            if self._alerts is not None:
+                # Before recovery makes any call unknown: the first start with a webhook
+                # alerts on what happens from here on.
+                await self._alerts.store.ensure_cursor()
             # Recovery after a crash: every session with a call it may still await is
             # followed, and each follower reconciles its session before anything else.
             recovered = await self._sessions.watch_new(await self._sessions.with_open_calls())
@@ -169,6 +183,8 @@ class Service:
         ]
         if self.settings.discover_metadata:
             self._loops.append(asyncio.create_task(self._discovery_loop(), name="session discovery"))
+        if self._alerts is not None:
+            self._loops.append(asyncio.create_task(self._alerts.run(), name="alert webhook"))
         self._started = True
         log.info(
             "replica %s serving: %d session(s), up to %d concurrent calls",
@@ -224,6 +240,13 @@ class Service:
         try:
             await _cancel_all([*self._loops, *self._followers.values(), *self._reconciling.values()])
             self._followers.clear()
+            if self._alerts is not None:
+                try:
+                    await self._alerts.close()
+                except Exception:
+                    log_failure(
+                        log, "shutdown: the alert sender's lease was not given back; it expires on its own"
+                    )
             if self._runner is not None:
                 cut_off = await self._runner.drain(grace)
                 if cut_off:
@@ -374,6 +397,8 @@ class Service:
             return False
         freed = await self.sessions.retire_replicas(gone)
         taken = await self.ledger.store.expire_leases(gone_owners=gone)
+        if self._alerts is not None:
+            await self._alerts.take_over_from(gone)
         named = sorted(gone)
         log.warning(
             "replica(s) %s gone (liveness lock free): took over %d session lease(s) and %d running call(s)",

@@ -31,9 +31,9 @@ from toolledger.domain.queries import (
 )
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
-from toolledger.store.engine import SQLITE_LOWER, uninterrupted_on_sqlite, write_transaction
+from toolledger.store.engine import SQLITE_LOWER, uninterrupted_on_sqlite, utc_now, write_transaction
 from toolledger.store.rows import call_events, call_record
-from toolledger.store.schema import sessions, tool_call_events, tool_calls
+from toolledger.store.schema import alert_cursors, sessions, tool_call_events, tool_calls
 
 _KEY = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
 _SORT_COLUMNS: dict[SortKey, Any] = {
@@ -311,6 +311,8 @@ class AuditStore:
                         tool_call_events.c.session_id, tool_call_events.c.turn_id, tool_call_events.c.call_id
                     )
                     await conn.execute(delete(tool_call_events).where(event_key.in_(deleted)))
+                    if conn.dialect.name == "sqlite":
+                        await conn.execute(_cursors_within_trail())
                 removed += len(deleted)
             if progress is not None:
                 progress(removed)
@@ -319,6 +321,18 @@ class AuditStore:
         statement = _select(query).limit(limit)
         async with self.engine.connect() as conn:
             return [call_record(row) for row in await conn.execute(statement)]
+
+
+def _cursors_within_trail() -> Any:
+    """Alert cursors brought down to the newest event left. SQLite numbers a new row one past
+    the highest id in the table (no AUTOINCREMENT): once the newest events are pruned, the
+    next ones take ids again that a cursor had passed, and would never raise their alerts."""
+    newest = select(func.coalesce(func.max(tool_call_events.c.id), 0)).scalar_subquery()
+    return (
+        alert_cursors.update()
+        .where(alert_cursors.c.last_event_id > newest)
+        .values(last_event_id=newest, updated_at=utc_now())
+    )
 
 
 def _select(query: CallQuery) -> Select[Any]:

@@ -260,3 +260,17 @@ replicas = Table(
     Column("expires_at", UtcDateTime(), nullable=False),
 )
 """Live ``serve`` processes: each takes a fair share of the watched sessions."""
+
+alert_cursors = Table(
+    "alert_cursors",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("last_event_id", BigInteger, nullable=False),
+    Column("owner", String(255)),
+    Column("lease_token", BigInteger, nullable=False, server_default=text("0")),
+    Column("lease_expires_at", UtcDateTime()),
+    Column("updated_at", UtcDateTime(), nullable=False),
+)
+"""How far an alert sender has read the audit trail (every event up to ``last_event_id`` is
+dealt with), and which replica sends now: one row per destination, under a lease, so that
+replicas never send the same alert twice at once and a restart goes on where it stopped."""
