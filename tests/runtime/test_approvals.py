@@ -242,7 +242,7 @@ async def test_serve__runs_a_call_approved_elsewhere_within_a_poll(
 ) -> None:
     runs: list[dict[str, Any]] = []
     registry = payments(runs, approval=True)
-    settings = {
+    settings: dict[str, Any] = {
         "database_url": database_url,
         "openai_base_url": emulator.base_url,
         "worker_id": "approvals",
