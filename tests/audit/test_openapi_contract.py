@@ -44,7 +44,8 @@ EXAMPLES_PER_OPERATION = 12
 
 
 async def _calls_in_every_state(url: str) -> None:
-    """A finished call with its result, one still running, one whose outcome is unknown."""
+    """A finished call with its result, one still running, one whose outcome is unknown, one
+    awaiting approval."""
     engine = create_engine(url)
     try:
         store = LedgerStore(engine, actor="contract-test")
@@ -73,6 +74,13 @@ async def _calls_in_every_state(url: str) -> None:
             lease_seconds=0.05,
         )
         await eventually(lambda: store.expire_leases(unknown), within=10, what=f"{unknown} expired")
+        await store.record_for_approval(
+            CallKey("sess_contract", "turn_2", "call_gated"),
+            tool_name="refund",
+            arguments={"order_id": "A1", "cents": 900},
+            effect_class=EffectClass.AT_MOST_ONCE,
+            approval_seconds=None,
+        )
     finally:
         await engine.dispose()
 
@@ -206,10 +214,21 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
             assert reason["minLength"] == 1
             assert "pattern" in reason
 
+        for action in ("approve", "deny"):
+            decision = document["paths"][f"/api/calls/{{ref}}/{action}"]["post"]
+            assert {"404", "409", "413"} <= set(decision["responses"]), action
+            schema = decision["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            fields = document["components"]["schemas"][schema.rsplit("/", 1)[1]]["properties"]
+            assert fields["reason"]["minLength"] == 1
+            assert "pattern" in fields["reason"]
+            assert "arguments_sha256" in fields
+            assert ("arguments" in fields) is (action == "approve")
+
         # Each status the document declares is one the API really gives.
-        wrong_method = await client.get("/api/calls/tl_0123456789abcdef/resolve", headers=READ)
-        assert wrong_method.status_code == 405
-        assert wrong_method.headers["allow"] == "POST"
+        for action in ("resolve", "approve", "deny"):
+            wrong_method = await client.get(f"/api/calls/tl_0123456789abcdef/{action}", headers=READ)
+            assert wrong_method.status_code == 405, action
+            assert wrong_method.headers["allow"] == "POST"
         for params in ({"limit": "0"}, {"limit": "501"}, {"limit": "x"}, {"since": "soon"}):
             refused = await client.get("/api/calls", params=params, headers=READ)
             assert refused.status_code == 400, params
