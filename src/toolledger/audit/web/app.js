@@ -1,7 +1,7 @@
 // The audit web view: lists calls through /api/calls (with their counts from /api/counts),
-// opens one call's timeline, resolves unknown calls, lists sessions. Every value from the
-// ledger is attacker-controlled text (tool arguments, outputs): it is only ever put on the
-// page with textContent, never parsed as HTML.
+// opens one call's timeline, resolves unknown calls, approves or denies calls awaiting
+// approval, lists sessions. Every value from the ledger is attacker-controlled text (tool
+// arguments, outputs): it is only ever put on the page with textContent, never parsed as HTML.
 //
 // Where the view is lives in the URL: the filters in the query string, the open call or the
 // sessions page in the fragment (#call=ID, #sessions), so a link opens the same thing.
@@ -12,6 +12,16 @@ const FILTERS = [
   "session_id", "turn_id", "tool", "status", "outcome", "effect_class", "since", "until", "q", "sort", "limit",
 ];
 const COUNT_FILTERS = FILTERS.filter((name) => !["sort", "limit"].includes(name));
+const MASK = "[REDACTED]";
+// What a decision came to (the API's `action`), told to the person who made it.
+const DECISION_OUTCOMES = {
+  left_for_service: "`toolledger serve` runs it now, within a poll (this page shows when it is answered)",
+  ran: "it ran here and its result was submitted",
+  submitted: "the model has been told",
+  not_sent: "no Agents API is configured here: `toolledger serve` sends the answer",
+  submit_failed: "sending the answer failed for now: `toolledger serve` retries it",
+  abandoned: "the session no longer awaits it: abandoned",
+};
 
 const $ = (id) => document.getElementById(id);
 let pageCursors = [null];
@@ -61,6 +71,12 @@ function showError(error) {
   } else {
     box.textContent = error instanceof ApiError ? `The API said: ${error.message}` : String(error);
   }
+  box.hidden = false;
+}
+
+function showProblem(text) {
+  const box = $("error");
+  box.textContent = text;
   box.hidden = false;
 }
 
@@ -127,10 +143,15 @@ function between(start, end) {
   return (Date.parse(end) - Date.parse(start)) / 1000;
 }
 
+function until(value) {
+  const seconds = (Date.parse(value) - Date.now()) / 1000;
+  return seconds <= 0 ? "passed" : `in ${span(seconds)}`;
+}
+
 // How long a call took (to its result), or how long it has been waiting for one.
 function duration(call) {
   if (call.finished_at) return { text: `took ${span(between(call.started_at || call.created_at, call.finished_at))}` };
-  if (["pending", "running", "unknown"].includes(call.status)) {
+  if (["awaiting_approval", "pending", "running", "unknown"].includes(call.status)) {
     return { text: `waiting ${span((Date.now() - Date.parse(call.created_at)) / 1000)}`, waiting: true };
   }
   return { text: "" };
@@ -160,6 +181,7 @@ function renderRows(calls) {
     row.dataset.callId = call.id;
     row.dataset.status = call.status;
     if (call.needs_operator) row.classList.add("row-unknown");
+    if (call.needs_approval) row.classList.add("row-approval");
     if (call.id === openCallId) row.classList.add("selected");
     cell(row, ago(call.created_at), "time").title = shortTime(call.created_at);
     const id = cell(row, call.id.slice(0, 15), "id");
@@ -186,7 +208,11 @@ function renderCounts(counts) {
   total.textContent = `${counts.total} call(s)`;
   box.appendChild(total);
   const groups = [
-    ["status", counts.by_status, ["pending", "running", "unknown", "succeeded", "failed", "submitted", "abandoned"]],
+    [
+      "status",
+      counts.by_status,
+      ["awaiting_approval", "pending", "running", "unknown", "succeeded", "failed", "submitted", "abandoned"],
+    ],
     ["outcome", counts.by_outcome, ["succeeded", "failed", "none"]],
   ];
   for (const [filter, tally, order] of groups) {
@@ -300,6 +326,7 @@ function renderDetail(detail, { keepForm = false } = {}) {
     ["error stage", call.error_stage], ["error detail", call.error_detail],
     ["last submission error", call.last_submission_error], ["abandoned", call.abandoned_reason],
     ["lease owner", leaseText(call)],
+    ["approval decided by", call.approval_decided_by], ["approval decided", timed(call.approval_decided_at)],
   ];
   for (const [name, value] of shown) {
     if (value === null || value === undefined || value === "") continue;
@@ -312,6 +339,8 @@ function renderDetail(detail, { keepForm = false } = {}) {
   }
   $("detail-arguments").textContent = pretty(call.arguments);
   $("detail-result").textContent = pretty(call.result);
+  $("approved-box").hidden = call.approved_arguments === null || call.approved_arguments === undefined;
+  $("detail-approved-arguments").textContent = pretty(call.approved_arguments);
   const timeline = $("timeline-rows");
   timeline.replaceChildren();
   for (const event of detail.timeline) {
@@ -326,7 +355,28 @@ function renderDetail(detail, { keepForm = false } = {}) {
     timeline.appendChild(row);
   }
   $("resolve").hidden = !call.needs_operator;
-  if (!keepForm) $("resolve-result").textContent = "";
+  renderApproval(call);
+  if (!keepForm) {
+    $("resolve-result").textContent = "";
+    $("approval-result").textContent = "";
+  }
+}
+
+function deadlineText(call) {
+  if (!call.approval_expires_at) return "none: it waits until someone decides";
+  const when = until(call.approval_expires_at);
+  const answer = "the model is told it was not approved in time";
+  return `${shortTime(call.approval_expires_at)} (${when}): then ${answer}`;
+}
+
+// The form keeps the fingerprint of the arguments shown with it: a decision names exactly
+// those, so a page left open while something changed cannot approve arguments nobody saw.
+function renderApproval(call) {
+  const form = $("approval");
+  form.hidden = !call.needs_approval;
+  form.dataset.sha256 = call.arguments_sha256;
+  $("approval-sha256").textContent = call.arguments_sha256;
+  $("approval-deadline").textContent = call.needs_approval ? deadlineText(call) : "";
 }
 
 async function openCall(id, { quiet = false } = {}) {
@@ -377,6 +427,85 @@ async function resolveOpenCall(event) {
     await loadCalls({ page: currentPage });
   } catch (error) {
     showError(error);
+  }
+}
+
+// Amended arguments as typed: nothing (run as the model asked), or a JSON object. What the
+// page shows of the arguments is masked; a mask copied back would reach the handler as text.
+function amendedArguments(text) {
+  if (text.trim() === "") return { value: null };
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    return { problem: `The amended arguments are not JSON (${error.message}): nothing was sent.` };
+  }
+  if (value === null || typeof value !== "object" || Array.isArray(value)) {
+    return { problem: 'The amended arguments must be a JSON object, {"name": value, ...}: nothing was sent.' };
+  }
+  if (holdsMask(value)) {
+    return {
+      problem: `The amended arguments hold ${MASK}, a masked value the page showed: type the real ` +
+        "value, or leave the arguments empty to run the call as the model asked. Nothing was sent.",
+    };
+  }
+  return { value };
+}
+
+function holdsMask(value) {
+  if (value === MASK) return true;
+  if (value === null || typeof value !== "object") return false;
+  return Object.values(value).some(holdsMask);
+}
+
+async function decideOpenCall(verb) {
+  const form = $("approval");
+  if (!form.reportValidity()) return;
+  clearError();
+  const body = { reason: form.elements.reason.value.trim(), arguments_sha256: form.dataset.sha256 };
+  const amended = form.elements.arguments.value;
+  if (verb === "approve") {
+    const parsed = amendedArguments(amended);
+    if (parsed.problem) {
+      showProblem(parsed.problem);
+      form.elements.arguments.focus();
+      return;
+    }
+    if (parsed.value !== null) body.arguments = parsed.value;
+  } else if (amended.trim() !== "") {
+    showProblem("A denial takes no arguments: empty the amended arguments, or approve. Nothing was sent.");
+    return;
+  }
+  const operator = form.elements.operator.value.trim();
+  // As for a resolution: the name typed counts only without a token.
+  if (operator && !token()) {
+    body.operator = operator;
+    sessionStorage.setItem(OPERATOR_KEY, operator);
+  }
+  const id = openCallId;
+  const buttons = [$("approval-approve"), $("approval-deny")];
+  // One decision at a time: a second click would only be refused (409).
+  for (const button of buttons) button.disabled = true;
+  try {
+    const answer = await api(`/api/calls/${encodeURIComponent(id)}/${verb}`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    form.reset();
+    form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+    await openCall(id);
+    const outcome = DECISION_OUTCOMES[answer.action] || answer.action;
+    $("approval-result").textContent =
+      `${verb === "approve" ? "Approved" : "Denied"}: ${outcome}; the call is now ${answer.call.status}.`;
+    await loadCalls({ page: currentPage });
+  } catch (error) {
+    // Refused as decided already or as other arguments: the call is read again, so what the
+    // person looks at next (and decides on) is what the ledger holds now.
+    if (error instanceof ApiError && error.status === 409) await openCall(id, { quiet: true });
+    showError(error);
+  } finally {
+    for (const button of buttons) button.disabled = false;
   }
 }
 
@@ -463,24 +592,31 @@ function scheduleRefresh() {
   }
 }
 
+// With a token, its name is the operator: the name fields are for a token-less API only.
+function showOperatorFields() {
+  for (const label of document.querySelectorAll(".operator-label")) label.hidden = Boolean(token());
+}
+
 function init() {
   restoreFilters();
-  $("resolve").elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+  for (const form of [$("resolve"), $("approval")]) {
+    form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+  }
   $("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
     $("token").value = "";
-    $("operator-label").hidden = Boolean(token());
+    showOperatorFields();
     route();
   });
   $("token-forget").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
-    $("operator-label").hidden = false;
+    showOperatorFields();
     $("rows").replaceChildren();
     $("counts").replaceChildren();
     $("detail").hidden = true;
   });
-  $("operator-label").hidden = Boolean(token());
+  showOperatorFields();
   $("filters").addEventListener("submit", (event) => {
     event.preventDefault();
     loadCalls();
@@ -489,6 +625,10 @@ function init() {
   $("previous").addEventListener("click", () => loadCalls({ page: Number($("previous").dataset.page) }));
   $("detail-close").addEventListener("click", closeCall);
   $("resolve").addEventListener("submit", resolveOpenCall);
+  // Each decision is a button of its own; Enter in a field decides nothing (it would approve).
+  $("approval").addEventListener("submit", (event) => event.preventDefault());
+  $("approval-approve").addEventListener("click", () => decideOpenCall("approve"));
+  $("approval-deny").addEventListener("click", () => decideOpenCall("deny"));
   $("resolve").elements.kind.addEventListener("change", (event) => {
     $("resolve").elements.text.disabled = event.target.value === "rerun";
   });
