@@ -43,6 +43,10 @@ refunds = Table(
 tool's result, so a crash rolls back both and the re-run is the only write."""
 
 
+REFUNDS_APPROVED_UP_TO = 5_000
+"""Cents a refund may be without a person's approval."""
+
+
 def _world() -> sqlite3.Connection:
     """The outside world: TOOLLEDGER_DEMO_WORLD, or shop-world.sqlite3 in the working directory."""
     path = os.environ.get("TOOLLEDGER_DEMO_WORLD", "shop-world.sqlite3")
@@ -120,9 +124,15 @@ def send_receipt(order_id: str, ctx: ToolContext) -> str:
     return f"receipt for {order_id} sent to {address}"
 
 
-@registry.tool(effect="transactional")
+def _large_refund(arguments: dict[str, object], ctx: ToolContext) -> bool:
+    cents = arguments.get("cents")
+    return not isinstance(cents, int) or cents > REFUNDS_APPROVED_UP_TO
+
+
+@registry.tool(effect="transactional", approval=_large_refund, approval_timeout=3600)
 async def record_refund(order_id: str, cents: int, ctx: ToolContext) -> str:
-    """Record a refund in the shop's books (the ledger's database, same transaction)."""
+    """Record a refund in the shop's books (the ledger's database, same transaction). Refunds
+    over 50.00 wait for a person's approval (`toolledger calls approve`)."""
     # Your books have their own migration; the example creates its table where it runs.
     await ctx.db.run_sync(lambda connection: refunds.create(connection, checkfirst=True))
     await ctx.db.execute(refunds.insert().values(order_id=order_id, cents=cents, call_id=ctx.key.call_id))

@@ -6,8 +6,11 @@ Create Date: 2026-12-07 02:30:00
 
 A call of a tool declared ``approval=...`` is recorded 'awaiting_approval' and runs only once
 a person approves it. That status is longer than the 16 characters a status column held, so
-the status columns grow to 32; the calls the session still awaits (the open-calls index)
-include the new status.
+the status columns grow to 32. (The open-calls index learns the new status in 0006.)
+
+On PostgreSQL the columns are added and grown in place (no rewrite), then the partial
+indexes on the status are built again CONCURRENTLY, as a new ledger has them (growing the
+type rewrote their predicates' casts): writes go on meanwhile.
 """
 
 from __future__ import annotations
@@ -34,12 +37,9 @@ OLD_OPEN = (
     "status IN ('pending', 'running', 'unknown', 'succeeded', 'failed') "
     "OR (status = 'submitted' AND confirmed_at IS NULL)"
 )
-NEW_OPEN = (
-    "status IN ('pending', 'running', 'unknown', 'succeeded', 'failed', 'awaiting_approval') "
-    "OR (status = 'submitted' AND confirmed_at IS NULL)"
-)
 OPEN_INDEX = "ix_tool_calls_open"
 PARTIAL_INDEXES = {
+    OPEN_INDEX: (["session_id"], OLD_OPEN),
     "ix_tool_calls_claimable": (
         ["status", "lease_expires_at"],
         "status IN ('pending', 'running', 'unknown', 'succeeded', 'failed')",
@@ -86,7 +86,6 @@ def upgrade() -> None:
                 ("to_status VARCHAR(16)", "to_status VARCHAR(32)"),
             ],
         )
-    _replace_open_index(NEW_OPEN)
 
 
 def downgrade() -> None:
@@ -129,7 +128,6 @@ def downgrade() -> None:
                 ("to_status VARCHAR(32)", "to_status VARCHAR(16)"),
             ],
         )
-    _replace_open_index(OLD_OPEN)
 
 
 def _dialect() -> str:
@@ -148,20 +146,23 @@ def _replace_postgres_check(condition: str) -> None:
 
 
 def _rebuild_partial_indexes() -> None:
-    for name, (columns, condition) in PARTIAL_INDEXES.items():
-        op.drop_index(name, table_name="tool_calls")
-        op.create_index(name, "tool_calls", columns, postgresql_where=sa.text(condition))
+    # CONCURRENTLY cannot run in a transaction: what came before is committed first.
+    with op.get_context().autocommit_block():
+        for name, (columns, condition) in PARTIAL_INDEXES.items():
+            rebuild_concurrently(name, columns, condition)
 
 
-def _replace_open_index(condition: str) -> None:
-    op.drop_index(OPEN_INDEX, table_name="tool_calls")
+def rebuild_concurrently(name: str, columns: list[str], condition: str) -> None:
+    """Build the index again beside the old one, then swap: at no moment is there none, and
+    no write waits for a build. A build cut short leaves ``*_rebuilt`` invalid: dropped first
+    when the upgrade runs again."""
+    rebuilt = f"{name}_rebuilt"
+    op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {rebuilt}")
     op.create_index(
-        OPEN_INDEX,
-        "tool_calls",
-        ["session_id"],
-        postgresql_where=sa.text(condition),
-        sqlite_where=sa.text(condition),
+        rebuilt, "tool_calls", columns, postgresql_where=sa.text(condition), postgresql_concurrently=True
     )
+    op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+    op.execute(f"ALTER INDEX {rebuilt} RENAME TO {name}")
 
 
 def _require_sqlite_foreign_keys_off() -> None:

@@ -7,7 +7,9 @@ emulator and a SQLite ledger in a temporary directory:
 
 1. armed to die right after the first result is committed (before it is submitted);
 2. armed to die inside `charge_card`, after the card is charged, before a result is stored;
-3. unarmed: it resubmits, settles the charge through its verify hook, and finishes.
+3. unarmed: it resubmits, settles the charge through its verify hook, and finishes; the
+   refund (over the shop's limit) waits for a person's approval, which the demo gives
+   through the CLI (`toolledger calls approve`), as an operator would.
 
 The verdict checks what toolledger promises: every call answered exactly once, no
 at-most-once side effect twice, no result lost.
@@ -58,7 +60,9 @@ FAST = {
     "TOOLLEDGER_STREAM_BACKOFF_MAX_SECONDS": "0.3",
     "TOOLLEDGER_SHUTDOWN_GRACE_SECONDS": "5",
     "TOOLLEDGER_LOG_FORMAT": "text",
+    "TOOLLEDGER_DECISION_POLL_SECONDS": "0.3",
 }
+APPROVER = "demo"
 RUNS = (
     (f"{CP_AFTER_RESULT_COMMIT}@1", "dies right after the first result is stored, before submitting it"),
     (f"{CP_INSIDE_HANDLER}@1", "dies inside charge_card: card charged, no result stored"),
@@ -226,7 +230,7 @@ async def _run_worker(
                 )
             progress.step(f"[red]worker {number} killed by SIGKILL[/red] (its log: {_last_line(log.name)})")
             return Worker(number, crash_at, process.pid, code, killed=True)
-        await _wait_answered(store, session_id, process, log.name)
+        await _wait_answered(store, session_id, process, log.name, environment, progress)
         progress.step(f"worker {number}: every call answered; stopping it with SIGTERM")
         process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(_wait, process, 30.0)
@@ -246,7 +250,12 @@ def _wait(process: subprocess.Popen[bytes], timeout: float) -> int:
 
 
 async def _wait_answered(
-    store: LedgerStore, session_id: str, process: subprocess.Popen[bytes], log: str
+    store: LedgerStore,
+    session_id: str,
+    process: subprocess.Popen[bytes],
+    log: str,
+    environment: dict[str, str],
+    progress: Progress,
 ) -> None:
     deadline = time.monotonic() + 45
     done = {CallStatus.SUBMITTED, CallStatus.ABANDONED}
@@ -254,10 +263,31 @@ async def _wait_answered(
         calls = await store.for_session(session_id)
         if len(calls) == CALLS and all(call.status in done for call in calls):
             return
+        for call in calls:
+            if call.status is CallStatus.AWAITING_APPROVAL:
+                await asyncio.to_thread(_approve, call, environment, progress)
         if process.poll() is not None:
             raise DemoError(f"`toolledger serve` exited with {process.returncode}: {_tail(log)}")
         await asyncio.sleep(0.1)
     raise DemoError(f"the session was not answered within 45 s: {_tail(log)}")
+
+
+def _approve(call: CallRecord, environment: dict[str, str], progress: Progress) -> None:
+    """What an operator does for a call awaiting approval, unattended: the CLI, by its key and
+    the fingerprint of the arguments looked at."""
+    progress.step(
+        f"{call.tool_name} {call.arguments} awaits approval; the demo approves it: "
+        f"`toolledger calls approve {call.key} --sha256 {call.arguments_sha256[:12]}...`"
+    )
+    command = [sys.executable, "-P", "-m", "toolledger.cli", "calls", "approve", str(call.key)]
+    command += ["--sha256", call.arguments_sha256, "--operator", APPROVER]
+    command += ["--reason", "approved by the demo script (unattended)"]
+    answered = subprocess.run(  # noqa: S603 - our own CLI, fixed arguments
+        command, env=environment, capture_output=True, text=True, timeout=30, check=False
+    )
+    if answered.returncode != 0:
+        raise DemoError(f"`toolledger calls approve` failed ({answered.returncode}): {answered.stderr}")
+    progress.step(f"approved: {answered.stdout.splitlines()[0] if answered.stdout else ''}")
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -288,7 +318,10 @@ def _summarize(call: CallRecord, events: list[CallEvent], effects: int, accepted
     stored_by = next((e.actor for e in events if e.to_status in ("succeeded", "failed")), None)
     submitted_by = next((e.actor for e in events if e.kind == "submission"), None)
     reasons = " ".join(e.reason or "" for e in events)
-    if "verify hook" in reasons:
+    approval = next((e for e in events if e.kind == "approval"), None)
+    if approval is not None:
+        story = f"waited for approval ({approval.actor} approved it through the CLI); ran once"
+    elif "verify hook" in reasons:
         story = "killed mid-charge; the verify hook found the charge: not charged again"
     elif stored_by is not None and submitted_by is not None and stored_by != submitted_by:
         story = "stored, then the worker was killed; resubmitted, not re-run"
@@ -329,6 +362,8 @@ def _problems(calls: list[CallSummary], workers: list[Worker]) -> list[str]:
             problems.append(f"{name}: {call.accepted_results} results accepted by the API, expected 1")
         if call.effect_class in AT_MOST_ONCE and call.side_effects != 1:
             problems.append(f"{name}: its side effect happened {call.side_effects} times")
+    if not any("waited for approval" in call.story for call in calls):
+        problems.append("no call waited for a person's approval")
     if not any("verify hook" in call.story for call in calls):
         problems.append("no call was settled by its verify hook")
     if not any("resubmitted" in call.story for call in calls):
@@ -361,7 +396,7 @@ def print_summary(console: Console, summary: DemoSummary) -> None:
         "absorbed by its key); answers: results the Agents API accepted"
     )
     for call in summary.calls:
-        if call.story.startswith(("killed", "stored")):
+        if call.story.startswith(("killed", "stored", "waited for approval")):
             console.print(f"\n[bold]audit timeline of {call.tool}[/bold] (toolledger calls show ...):")
             for line in call.timeline:
                 console.print(f"  {line}", markup=False, highlight=False)

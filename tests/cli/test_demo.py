@@ -50,6 +50,13 @@ def _check_summary(summary: dict[str, Any]) -> None:
     (receipt,) = [c for c in calls if c["tool"] == "send_receipt"]
     assert "re-run (idempotent: safe)" in receipt["story"], receipt
     assert receipt["side_effects"] == 2, "run twice (the mailer keeps one mail per key)"
+    # Over the shop's limit: it waited for a person, whom the demo plays through the CLI.
+    (refund,) = [c for c in calls if c["tool"] == "record_refund"]
+    assert "waited for approval (operator:demo approved it through the CLI)" in refund["story"]
+    assert refund["side_effects"] == 1
+    assert any(
+        "awaiting_approval -> pending" in line and "operator:demo" in line for line in refund["timeline"]
+    )
     assert summary["seconds"] < 60
 
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     # a resolution, not to list, show or export: imported only then, so `calls list` starts fast.
     from toolledger.gateway.agents import AgentsGateway
     from toolledger.runtime.composition import Runtime
+    from toolledger.runtime.decider import Verified
     from toolledger.runtime.executor import Executor, HandleReport
     from toolledger.runtime.registry import ToolRegistry
 
@@ -280,6 +281,32 @@ class AuditService:
             raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
         try:
             action = _RESOLVE_ACTIONS[await self._executor(operator_store).submit(settled, listed=False)]
+        except AgentsAuthError as error:
+            action = _refused_submission(call, error)
+        latest = await self.find_one(CallReference(key=call.key))
+        return ResolveReport(call_view(latest, self.redactor), action)
+
+    async def ask_verify_hook(self, call: CallRecord, resolution: Resolution) -> Verified | None:
+        """A ``verified`` call's hook asked whether its run happened, on behalf of the operator
+        behind ``resolution``; None when this process has no such tool (no ``--tools``)."""
+        tool = self.registry.get(call.tool_name) if self.registry is not None else None
+        if tool is None or tool.verify is None:
+            return None
+        store = self.runtime.ledger_store(actor=f"operator:{resolution.operator}")
+        return await self._executor(store).handlers.verify(tool, call)
+
+    async def settle_verified(
+        self, call: CallRecord, verified: Verified, resolution: Resolution
+    ) -> ResolveReport:
+        """Settle an unknown call with the outcome its verify hook found, then submit it."""
+        assert verified.outcome is not None, "an executed verification carries its outcome"
+        store = self.runtime.ledger_store(actor=f"operator:{resolution.operator}")
+        why = f"resolved by operator (verify hook asked first: it happened): {resolution.reason}"
+        settled = await store.settle(call.key, verified.outcome, reason=why)
+        if settled is None:
+            raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
+        try:
+            action = _RESOLVE_ACTIONS[await self._executor(store).submit(settled, listed=False)]
         except AgentsAuthError as error:
             action = _refused_submission(call, error)
         latest = await self.find_one(CallReference(key=call.key))

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
 
+    from toolledger.audit.bulk import BulkItem, BulkReport
     from toolledger.audit.service import AuditService, Decision, Resolution, ResolveReport
     from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView
     from toolledger.domain.keys import CallKey
@@ -94,6 +95,11 @@ class Filters:
     unknown_only: bool
     search: str | None
     sort: str
+
+    @property
+    def narrows(self) -> bool:
+        """Some flag selects calls (the sort alone selects none)."""
+        return any(getattr(self, f.name) for f in fields(self) if f.name != "sort")
 
     def query(self, *, limit: int = DEFAULT_PAGE, cursor: str | None = None) -> CallQuery:
         """The CallQuery these flags ask for; bad input is a usage error (exit 2)."""
@@ -514,6 +520,17 @@ def _print_detail(detail: CallDetail) -> None:
     if call.needs_operator:
         status = _plain(f"{call.status}: the outcome is unknown, resolve it with `toolledger calls resolve`")
         status.stylize("bold red")
+    if call.needs_approval:
+        status = _plain(
+            f"{call.status}: approve it with `toolledger calls approve {call.call_id} --sha256 "
+            f"{call.arguments_sha256}` or deny it with `toolledger calls deny`"
+        )
+        status.stylize("bold yellow")
+    decided = (
+        f"by {call.approval_decided_by} at {_precise(call.approval_decided_at)}"
+        if call.approval_decided_by and call.approval_decided_at
+        else None
+    )
     rows: list[tuple[str, Text | str | None]] = [
         ("call", f"{call.session_id}/{call.turn_id}/{call.call_id}"),
         ("id", call.id),
@@ -530,7 +547,16 @@ def _print_detail(detail: CallDetail) -> None:
         ("error", ": ".join(part for part in (call.error_stage, call.error_detail) if part) or None),
         ("abandoned", call.abandoned_reason),
         ("last submit error", call.last_submission_error),
+        ("approval until", _precise(call.approval_expires_at) if call.approval_expires_at else None),
+        ("approval decided", decided),
         ("arguments", json.dumps(call.arguments, indent=2, ensure_ascii=False)),
+        ("arguments sha256", call.arguments_sha256),
+        (
+            "approved arguments",
+            None
+            if call.approved_arguments is None
+            else json.dumps(call.approved_arguments, indent=2, ensure_ascii=False),
+        ),
         ("result", None if call.result is None else json.dumps(call.result, indent=2, ensure_ascii=False)),
     ]
     for name, value in rows:
@@ -658,7 +684,25 @@ RESOLVE_MESSAGES = {
 
 
 @calls.command("resolve")
-@click.argument("reference")
+@click.argument("reference", required=False)
+@click.option(
+    "--filter",
+    "bulk",
+    is_flag=True,
+    help="Resolve every unknown call the filter flags (--tool, --session, --since, ...) select, "
+    "instead of one REFERENCE: one audit event per call, verified tools' hooks asked first "
+    "(give --tools), at --rate calls per second, a summary at the end.",
+)
+@filter_options
+@click.option("--dry-run", is_flag=True, help="With --filter: show what would be resolved, change nothing.")
+@click.option(
+    "--rate",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="With --filter: calls resolved per second at most.",
+)
+@click.option("--yes", is_flag=True, help="With --filter: do not ask for confirmation.")
 @click.option("--output", "output_text", default=None, help="It happened: the output the model is given.")
 @click.option("--error", "error_text", default=None, help="It did not happen: the error the model is given.")
 @click.option("--rerun", is_flag=True, help="A second run is safe: run the call again.")
@@ -669,14 +713,20 @@ RESOLVE_MESSAGES = {
     "tools_reference",
     default=None,
     envvar="TOOLLEDGER_TOOLS",
-    help="With --rerun: the application's tools, to run the call here (else `serve` runs it).",
+    help="With --rerun: the application's tools, to run the call here (else `serve` runs it); "
+    "with --filter: also to ask verified tools' hooks first.",
 )
 @click.option("--json", "as_json", is_flag=True, help='Print {"action": ..., "call": ...} as JSON.')
 @database_option
 @base_url_option
 @click.option("--log-level", type=LOG_LEVELS, default="warning", show_default=True)
 def resolve_call(
-    reference: str,
+    reference: str | None,
+    bulk: bool,
+    filters: Filters,
+    dry_run: bool,
+    rate: float,
+    yes: bool,
     output_text: str | None,
     error_text: str | None,
     rerun: bool,
@@ -689,8 +739,16 @@ def resolve_call(
     log_level: str,
 ) -> None:
     """Settle a call whose outcome is unknown: say what happened (--output or --error), or
-    allow it to run again (--rerun). The result is submitted to the session right away."""
+    allow it to run again (--rerun). The result is submitted to the session right away.
+    With --filter instead of REFERENCE: every unknown call the filter flags select."""
     from toolledger.audit.service import Resolution, ResolutionKind
+
+    if (reference is None) == (not bulk):
+        raise click.UsageError("give a REFERENCE, or --filter with filter flags (--tool, --session, ...)")
+    if not bulk and (dry_run or yes or filters.narrows):
+        raise click.UsageError("--dry-run, --yes and the filter flags are for --filter")
+    if bulk and not filters.narrows:
+        raise click.UsageError("--filter needs at least one filter flag (--tool, --session, --since, ...)")
 
     chosen = [
         kind
@@ -703,7 +761,7 @@ def resolve_call(
     ]
     if len(chosen) != 1:
         raise click.UsageError("give exactly one of --output TEXT, --error MESSAGE or --rerun")
-    if tools_reference is not None and not rerun:
+    if tools_reference is not None and not rerun and not bulk:
         raise click.UsageError("--tools is for --rerun: an output or error runs nothing")
     for hint, value in (
         ("REFERENCE", reference),
@@ -725,7 +783,78 @@ def resolve_call(
     registry = load_tools(tools_reference) if tools_reference is not None else None
     settings = settings_from(database_url=database_url, openai_base_url=base_url)
     configure_logging(log_level, settings)
+    if bulk:
+        query = filters.query()
+        _bulk_resolve(
+            settings, query, resolution, registry, dry_run=dry_run, rate=rate, yes=yes, as_json=as_json
+        )
+        return
+    assert reference is not None
     _print_report(execute(_resolve(settings, reference, resolution, registry)), as_json, "resolved")
+
+
+def _bulk_resolve(
+    settings: Settings,
+    query: CallQuery,
+    resolution: Resolution,
+    registry: ToolRegistry | None,
+    *,
+    dry_run: bool,
+    rate: float,
+    yes: bool,
+    as_json: bool,
+) -> None:
+    from toolledger.audit.bulk import BulkResolver
+
+    async def count() -> int:
+        async with audit_service(settings, registry=registry) as service:
+            return len(await BulkResolver(service, rate=rate).matching(query))
+
+    if not dry_run and not yes:
+        matched = execute(count())
+        if matched == 0:
+            click.echo("no unknown call matches the filter: nothing to resolve")
+            return
+        if not sys.stdin.isatty():
+            raise click.UsageError(f"resolving {matched} call(s) needs confirmation: pass --yes")
+        click.confirm(f"resolve {matched} unknown call(s) by {resolution.kind.value}?", abort=True)
+
+    def progress(done: int, total: int, item: BulkItem) -> None:
+        if sys.stderr.isatty() or not as_json:
+            view = item.call
+            note = f" ({item.note})" if item.note else ""
+            click.echo(
+                f"[{done}/{total}] {view.session_id}/{view.turn_id}/{view.call_id} {view.tool_name}: "
+                f"{item.action}{note}",
+                err=True,
+            )
+
+    async def run() -> BulkReport:
+        async with audit_service(settings, registry=registry) as service:
+            return await BulkResolver(service, rate=rate).resolve(
+                query, resolution, dry_run=dry_run, progress=progress
+            )
+
+    report = execute(run())
+    if as_json:
+        import json
+
+        document = {
+            "run_id": report.run_id,
+            "dry_run": report.dry_run,
+            "matched": report.matched,
+            "counts": report.counts,
+            "calls": [
+                {"action": item.action, "note": item.note, "call": item.call.model_dump(mode="json")}
+                for item in report.items
+            ],
+        }
+        click.echo(json.dumps(document, indent=2))
+        return
+    what = "would be resolved (dry run: nothing changed)" if dry_run else f"resolved (bulk {report.run_id})"
+    click.echo(f"{report.matched} unknown call(s) matched; {what}:")
+    for action, number in sorted(report.counts.items()):
+        click.echo(f"  {action}: {number}")
 
 
 async def _resolve(

@@ -1,0 +1,33 @@
+"""Tools for the bulk-resolution tests: `pay` is verified by a hook that asks a fake payment
+provider (``PROVIDER``: the idempotency keys it charged)."""
+
+from __future__ import annotations
+
+from toolledger.runtime.context import ToolContext, Verification
+from toolledger.runtime.registry import ToolRegistry
+
+PROVIDER: set[str] = set()
+"""Idempotency keys the payment provider holds a charge for."""
+
+registry = ToolRegistry()
+
+
+def _charged(ctx: ToolContext) -> Verification:
+    if ctx.idempotency_key in PROVIDER:
+        return Verification.executed("charged (found at the provider)")
+    return Verification.not_executed()
+
+
+@registry.tool
+def charge(cents: int) -> str:
+    raise AssertionError("an unknown at_most_once call is never run again")
+
+
+@registry.tool(effect="verified", verify=_charged)
+def pay(cents: int) -> str:
+    raise AssertionError("bulk resolution never re-runs a verified call")
+
+
+@registry.tool
+def ship(order: str) -> str:
+    raise AssertionError("not selected by the filter")
