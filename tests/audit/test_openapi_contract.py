@@ -99,8 +99,9 @@ CONFIG = schemathesis.Config.from_dict(
             {
                 # Times, durations, cursors, statuses and call references have grammars JSON
                 # Schema does not state: a value that parses as none of them is 400, as the
-                # document declares, schema-valid or not (the counts take the same filters).
-                "include-path-regex": "^/api/(calls|counts)",
+                # document declares, schema-valid or not (the counts and a bulk resolution take the
+                # same filters; a bulk resolution also refuses a run over its time limit).
+                "include-path-regex": "^/api/(calls|counts|bulk)",
                 "checks": {
                     "positive_data_acceptance": {
                         "expected-statuses": ["2xx", "400", "401", "403", "404", "409"]
@@ -223,6 +224,20 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
             assert "pattern" in fields["reason"]
             assert "arguments_sha256" in fields
             assert ("arguments" in fields) is (action == "approve")
+
+        bulk = document["paths"]["/api/bulk/resolve"]["post"]
+        assert {"409", "413"} <= set(bulk["responses"])
+        assert {p["name"] for p in bulk["parameters"]} >= {"session_id", "tool", "status", "since", "q"}
+        for variant in bulk["requestBody"]["content"]["application/json"]["schema"]["oneOf"]:
+            schema = document["components"]["schemas"][variant["$ref"].rsplit("/", 1)[1]]
+            assert "dry_run" in schema["required"]
+            assert (
+                schema["properties"]["rate"]["exclusiveMinimum"],
+                schema["properties"]["rate"]["maximum"],
+            ) == (
+                0,
+                1000,
+            )
 
         # Each status the document declares is one the API really gives.
         for action in ("resolve", "approve", "deny"):

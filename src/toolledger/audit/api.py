@@ -7,7 +7,8 @@ page when enabled, and the static page itself are open. Errors keep to ``{"detai
 any request the API cannot use (a bad filter, reference or body, whoever noticed it: our
 parsers or FastAPI's validation) is 400, a missing or invalid token 401, a read token on a
 write 403, a call nobody has 404, the wrong method 405, an ambiguous or settled call (or one
-no longer awaiting approval, or whose arguments are not those approved) 409, a body over
+no longer awaiting approval, or whose arguments are not those approved; or a bulk
+resolution matching more calls than its max_calls) 409, a body over
 64 KiB 413, a database away 503, anything else a bare 500 (the exception is logged,
 redacted). The OpenAPI document declares exactly these (``_openapi``), and a contract test
 holds the app to it.
@@ -39,13 +40,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from toolledger.audit import bulk
 from toolledger.audit.auth import Principal, Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
 from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
 from toolledger.audit.service import (
@@ -220,6 +222,91 @@ class ResolveResponse(BaseModel):
     call: CallView
 
 
+MAX_BULK_SECONDS = 120
+"""The longest one bulk resolution may take at its rate: a request held open longer is cut by
+proxies and browsers alike (the calls go on being resolved, the summary is lost). Longer runs
+are for the CLI (`toolledger calls resolve --filter`), which has no such limit."""
+BULK_NO_HOOK_HINT = (
+    "verified: this API does not have the application's tools, so its verify hook cannot be asked: "
+    "resolve it with `toolledger calls resolve --filter ... --tools`, or through `serve --api`"
+)
+
+
+BULK_DESCRIPTION = (
+    "The filters are those of `GET /api/calls`, as query parameters; at least one besides the "
+    "status must narrow the selection, and a status may only say `unknown`. Each call is resolved "
+    "as `POST /api/calls/{ref}/resolve` would, with its own event in its timeline (your token's "
+    "name, the reason, and the run's id). A `verified` call's hook is asked first where the API "
+    "has the application's tools (`serve --api`); the stand-alone `toolledger api` has none and "
+    f"skips those calls (`{bulk.SKIPPED_NO_HOOK}`). A dry run answers what the run would do, and "
+    f"is refused as the run would be. The run must fit in {MAX_BULK_SECONDS} s at its rate "
+    f"(matched / rate), and one selects at most {bulk.MAX_CALLS} calls: for more, use "
+    "`toolledger calls resolve --filter`."
+)
+
+
+class _BulkOptions(BaseModel):
+    dry_run: StrictBool = Field(
+        description="true: answer which calls would be resolved, and how, changing nothing. false: "
+        "resolve them. Required: there is no confirmation step here, so say which you mean."
+    )
+    rate: float = Field(
+        default=bulk.DEFAULT_RATE,
+        gt=0,
+        le=bulk.MAX_RATE,
+        description="Calls resolved per second at most. The run must fit "
+        f"{MAX_BULK_SECONDS} s at this rate (matched / rate), else 400.",
+    )
+    max_calls: int | None = Field(
+        default=None,
+        ge=0,
+        le=bulk.MAX_CALLS,
+        description="Refuse (409) if more calls match than this: send a dry run's `matched`, so "
+        "that calls recorded since the dry run are not resolved unseen.",
+    )
+
+
+class BulkOutputResolution(OutputResolution, _BulkOptions):
+    pass
+
+
+class BulkErrorResolution(ErrorResolution, _BulkOptions):
+    pass
+
+
+class BulkRerunResolution(RerunResolution, _BulkOptions):
+    pass
+
+
+BulkResolveRequest = Annotated[
+    BulkOutputResolution | BulkErrorResolution | BulkRerunResolution, Field(discriminator="kind")
+]
+
+
+class BulkResolveItem(BaseModel):
+    action: str = Field(
+        description="What happened to the call: a resolution's action (submitted, not_sent, "
+        f"left_for_service, ...); or {bulk.SETTLED_BY_HOOK} (its verify hook found it happened: "
+        f"the true outcome was submitted), {bulk.SKIPPED_NO_HOOK} (verified, and this API has no "
+        f"tools to ask its hook), {bulk.SKIPPED_CONTRADICTED} (the hook says it did not happen: "
+        f"not told otherwise), {bulk.SKIPPED_CHANGED} (settled meanwhile). A dry run: "
+        f"{bulk.WOULD_RESOLVE}, {bulk.WOULD_VERIFY}, {bulk.WOULD_SKIP_NO_HOOK}."
+    )
+    note: str | None = Field(default=None, description="Why, where the action alone does not say.")
+    call: CallView = Field(description="The call as it is now (as it was, in a dry run).")
+
+
+class BulkResolveResponse(BaseModel):
+    run_id: str = Field(description="Named in each resolved call's reason: `(bulk RUN_ID, 3/12)`.")
+    dry_run: bool
+    matched: int = Field(description="The unknown calls the filters selected.")
+    estimated_seconds: float = Field(description="matched / rate: how long the run takes, at least.")
+    counts: dict[str, int] = Field(description="How many calls came to each action.")
+    calls: list[BulkResolveItem] = Field(
+        description="Each call, in the order resolved (newest first, as listed)."
+    )
+
+
 class UnwatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -353,7 +440,7 @@ _MEANINGS = {
     409: "The reference names several calls (give SESSION/TURN/CALL), or the call is not in the "
     "state the action needs (only an unknown outcome can be resolved, only a call awaiting "
     "approval approved or denied), or its arguments are not the sha256 given, or it changed "
-    "meanwhile.",
+    "meanwhile; or more calls match a bulk resolution than its max_calls.",
     413: f"The body is over {MAX_BODY_BYTES // 1024} KiB.",
     503: "The ledger database is unavailable (or its schema is not current): try again.",
 }
@@ -401,6 +488,16 @@ def _add_routes(app: FastAPI) -> None:
             (404, 409, 413),
         ),
         ("GET", "/api/calls/{ref:path}", show_call, CallDetail, "A call and its timeline", (404, 405, 409)),
+        (
+            # Not under /api/calls: that path's reference swallows slashes, so any path there
+            # could name a call.
+            "POST",
+            "/api/bulk/resolve",
+            bulk_resolve,
+            BulkResolveResponse,
+            "Resolve every unknown call the filters select, one by one, at a bounded rate",
+            (409, 413),
+        ),
         ("GET", "/api/sessions", list_sessions, list[SessionView], "Sessions, newest first", ()),
         (
             "GET",
@@ -427,6 +524,7 @@ def _add_routes(app: FastAPI) -> None:
             (404, 413),
         ),
     ]
+    described = {"/api/bulk/resolve": BULK_DESCRIPTION}
     for method, path, endpoint, model, summary, errors in data:
         app.add_api_route(
             path,
@@ -434,6 +532,7 @@ def _add_routes(app: FastAPI) -> None:
             methods=[method],
             response_model=model,
             summary=summary,
+            description=described.get(path),
             responses=_errors(*sorted({*_EVERY_API_ROUTE, *errors})),
             dependencies=[Depends(_each_given_once)],
         )
@@ -621,6 +720,79 @@ async def approve_call(
     )
     report = await audit.approve(ref, decision)
     return ResolveResponse.model_validate({"action": report.action, "call": report.call})
+
+
+async def bulk_resolve(
+    principal: Writer,
+    filters: CallFilters,
+    body: Annotated[BulkResolveRequest, Body()],
+    request: Request,
+) -> BulkResolveResponse:
+    """Every unknown call ``filters`` select, resolved one by one (BULK_DESCRIPTION)."""
+    if filters is None:
+        raise QueryError("only calls whose outcome is unknown can be resolved: filter on status unknown")
+    if not _narrows(filters):
+        raise QueryError(
+            "say which unknown calls to resolve: give at least one filter besides the status "
+            "(session_id, turn_id, tool, effect_class, since, until, q)"
+        )
+    resolution = Resolution(
+        kind=ResolutionKind(body.kind),
+        operator=_operator(principal, body),
+        reason=body.reason,
+        text=None if isinstance(body, BulkRerunResolution) else body.text,
+    )
+    resolver = bulk.BulkResolver(_audit(request), rate=body.rate, no_hook_hint=BULK_NO_HOOK_HINT)
+    calls = await resolver.matching(filters)
+    seconds = len(calls) / body.rate
+    if seconds > MAX_BULK_SECONDS:
+        raise QueryError(
+            f"{len(calls)} calls at {body.rate:g} per second take {seconds:.0f} s, more than the "
+            f"{MAX_BULK_SECONDS} s one request may: narrow the filters, raise the rate (at most "
+            f"{bulk.MAX_RATE:g}), or use `toolledger calls resolve --filter`"
+        )
+    if body.max_calls is not None and len(calls) > body.max_calls:
+        raise NotResolvableError(
+            f"the filters now select {len(calls)} unknown calls, more than max_calls "
+            f"({body.max_calls}): look again with a dry run"
+        )
+    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run)
+    if not body.dry_run:
+        log.info(
+            "bulk resolution %s by %s: %d call(s) by %s: %s",
+            report.run_id,
+            resolution.operator,
+            report.matched,
+            resolution.kind.value,
+            report.counts,
+        )
+    return BulkResolveResponse.model_validate(
+        {
+            "run_id": report.run_id,
+            "dry_run": report.dry_run,
+            "matched": report.matched,
+            "estimated_seconds": seconds,
+            "counts": report.counts,
+            "calls": [{"action": i.action, "note": i.note, "call": i.call} for i in report.items],
+        }
+    )
+
+
+def _narrows(query: CallQuery) -> bool:
+    """Some filter besides the status selects calls: a bulk resolution takes unknown calls
+    only, so "status unknown" alone would be every one the ledger holds."""
+    return any(
+        (
+            query.session_id,
+            query.turn_id,
+            query.tool_names,
+            query.outcomes,
+            query.effect_classes,
+            query.since,
+            query.until,
+            query.text,
+        )
+    )
 
 
 def _refuse_repeated_keys(raw: bytes) -> None:
