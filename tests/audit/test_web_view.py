@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.audit import bulk_tools
+from tests.audit.test_bulk_resolve import unknown_calls
 from tests.support.executor_harness import pending_actions, running_ledger
 from tests.support.ledger_fill import FilledLedger, fill_ledger
 from tests.support.paths import ROOT
@@ -565,3 +567,99 @@ async def test_web_view__approves_a_call_with_amended_arguments_and_denies_anoth
     [approved_answer], [denial] = (accepted[(session_id, a.turn_id, a.call_id)] for a in actions)
     assert approved_answer["output"] == "refunded 9000"
     assert (denial["success"], denial["error"]) == (False, DENIED_PREFIX + reason)
+
+
+# ------------------------------------------------------------------ bulk resolution
+
+
+@pytest.fixture(scope="module")
+def bulk_api(
+    emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ApprovalsApi]:
+    """`toolledger api` (no tools: verified calls are skipped) over a ledger of its own."""
+    workdir = tmp_path_factory.mktemp("web-bulk")
+    database_url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
+    migrate.upgrade(database_url)
+    with api_process(with_tokens(database_url, emulator_server), workdir / "api.log") as url:
+        yield ApprovalsApi(url, database_url)
+
+
+async def test_web_view__resolves_all_matching_unknown_calls__dry_run_first_then_confirmed(
+    bulk_api: ApprovalsApi, emulator_server: EmulatorServer
+) -> None:
+    async with running_ledger(bulk_tools.registry, bulk_api.database_url, emulator_server) as ledger:
+        session_id, [charge_1, charge_2, pay] = await unknown_calls(
+            ledger,
+            emulator_server,
+            [("charge", {"cents": 1}), ("charge", {"cents": 2}), ("pay", {"cents": 3})],
+        )
+        other_session, [ship] = await unknown_calls(ledger, emulator_server, [("ship", {"order": "A1"})])
+    not_charged = "the provider was down: not charged"
+
+    async with browser_page(bulk_api.url) as page:
+        await _use_token(page, ALICE)
+        await page.get_by_test_id("auto-refresh").uncheck()
+        await _wait_rows(page, lambda rows: len(rows) == 4)
+        await page.get_by_test_id("bulk-open").click()
+        await page.get_by_test_id("bulk-kind").select_option("error")
+        await page.get_by_test_id("bulk-text").fill(not_charged)
+        await page.get_by_test_id("bulk-reason").fill("incident 42")
+        await page.get_by_test_id("bulk-rate").fill("20")
+
+        # No filter: every unknown call in the ledger is not a selection; the API's word, shown.
+        error = page.get_by_test_id("error")
+        await page.get_by_test_id("bulk-dry-run").click()
+        await playwright_api.expect(error).to_contain_text("at least one filter besides the status")
+        confirm = page.get_by_test_id("bulk-confirm")
+        assert await confirm.is_hidden()
+
+        # The session's calls: a dry run says how many and what would become of them.
+        await page.get_by_test_id("filter-session_id").fill(session_id)
+        await page.get_by_test_id("apply").click()
+        await _wait_rows(page, lambda rows: len(rows) == 3)
+        await page.get_by_test_id("bulk-dry-run").click()
+        headline = page.get_by_test_id("bulk-headline")
+        await playwright_api.expect(headline).to_contain_text("Dry run: 3 unknown call(s) match")
+        assert await error.is_hidden()
+        assert "Nothing has changed" in await headline.text_content()
+        counts = await page.get_by_test_id("bulk-counts").locator("li").all_text_contents()
+        assert [c.split(" (")[0] for c in counts] == [
+            "would_resolve: 2",
+            "would_skip_verify_hook_unavailable: 1",
+        ]
+        await playwright_api.expect(confirm).to_have_text("Resolve these 3 call(s) by error")
+        assert emulator_server.control.tool_results(session_id) == []
+        assert {row["status"] for row in await _rows(page)} == {"unknown"}
+        await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
+        await page.screenshot(path=str(SHOTS / "bulk-dry-run.png"), full_page=True)
+
+        # What the dry run showed is what is confirmed: a changed resolution needs another one.
+        await page.get_by_test_id("bulk-reason").fill("incident 42, confirmed")
+        assert await confirm.is_hidden()
+        await page.get_by_test_id("bulk-dry-run").click()
+        await playwright_api.expect(confirm).to_be_visible()
+
+        await confirm.click()
+        await playwright_api.expect(headline).to_contain_text("Done (bulk ")
+        counts = await page.get_by_test_id("bulk-counts").locator("li").all_text_contents()
+        assert [c.split(" (")[0] for c in counts] == ["skipped_verify_hook_unavailable: 1", "submitted: 2"]
+        assert await confirm.is_hidden()
+        rows = await _wait_rows(page, lambda rows: sum(r["status"] == "submitted" for r in rows) == 2)
+        assert {r["id"]: r["status"] for r in rows} == {
+            charge_1.idempotency_key: "submitted",
+            charge_2.idempotency_key: "submitted",
+            pay.idempotency_key: "unknown",
+        }
+        await page.screenshot(path=str(SHOTS / "bulk-done.png"), full_page=True)
+
+        # Each call's timeline: the operator (the token's name), the reason and the run.
+        await page.locator(f"[data-testid=call-row][data-call-id='{charge_1.idempotency_key}']").click()
+        await playwright_api.expect(page.get_by_test_id("field-status")).to_have_text("submitted")
+        events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+        assert any("operator:alice" in e and "incident 42, confirmed (bulk " in e for e in events), events
+
+    received = {r.payload["call_id"]: r.payload for r in emulator_server.control.tool_results(session_id)}
+    assert set(received) == {charge_1.call_id, charge_2.call_id}
+    assert all(payload["error"] == not_charged for payload in received.values())
+    assert emulator_server.control.tool_results(other_session) == []
+    assert ship.session_id == other_session

@@ -1,6 +1,6 @@
 // The audit web view: lists calls through /api/calls (with their counts from /api/counts),
-// opens one call's timeline, resolves unknown calls, approves or denies calls awaiting
-// approval, lists sessions. Every value from the ledger is attacker-controlled text (tool
+// opens one call's timeline, resolves unknown calls (one, or all the filters select), approves
+// or denies calls awaiting approval, lists sessions. Every value from the ledger is attacker-controlled text (tool
 // arguments, outputs): it is only ever put on the page with textContent, never parsed as HTML.
 //
 // Where the view is lives in the URL: the filters in the query string, the open call or the
@@ -509,6 +509,158 @@ async function decideOpenCall(verb) {
   }
 }
 
+// ------------------------------------------------------------ bulk resolution
+
+// What each of a bulk resolution's actions means, shown beside its count.
+const BULK_ACTIONS = {
+  would_resolve: "would be resolved as you say",
+  would_ask_verify_hook: "verified: its hook would be asked first, and what it finds wins",
+  would_skip_verify_hook_unavailable: "verified: would be skipped (the API cannot ask its hook)",
+  submitted: "resolved, and the model has been told",
+  not_sent: "resolved; no Agents API is configured here: `toolledger serve` sends the answer",
+  left_for_service: "re-opened: `toolledger serve` runs them again",
+  rerun: "ran again here and submitted",
+  submit_failed: "resolved; sending the answer failed for now: `toolledger serve` retries it",
+  abandoned: "resolved; the session no longer awaits them",
+  settled_by_verify_hook: "its verify hook found it happened: its true outcome was submitted",
+  skipped_verify_hook_unavailable: "verified: skipped, the API cannot ask its hook",
+  skipped_hook_says_not_executed: "skipped: its verify hook says it did not happen",
+  skipped_no_longer_unknown: "skipped: settled by someone else meanwhile",
+};
+const BULK_LISTED = 100;
+// The dry run that was shown: confirming resolves exactly that request, with no more calls
+// than it counted; anything changed since (the filters, the resolution) needs a new dry run.
+let bulkPlan = null;
+
+function bulkRequest() {
+  const form = $("bulk-form");
+  const kind = form.elements.kind.value;
+  const rate = form.elements.rate.value.trim();
+  const body = { kind, reason: form.elements.reason.value.trim(), rate: rate === "" ? 5 : Number(rate) };
+  if (kind !== "rerun") body.text = form.elements.text.value;
+  const operator = form.elements.operator.value.trim();
+  // As for one resolution: the name typed counts only without a token.
+  if (operator && !token()) body.operator = operator;
+  return { params: filterParams(COUNT_FILTERS).toString(), body };
+}
+
+function forgetBulkPlan() {
+  bulkPlan = null;
+  $("bulk-confirm").hidden = true;
+}
+
+async function postBulk(request, extra) {
+  return api(`/api/bulk/resolve?${request.params}`, {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ...request.body, ...extra }),
+  });
+}
+
+function renderBulkSummary(answer, headline) {
+  const box = $("bulk-summary");
+  box.replaceChildren();
+  const head = document.createElement("p");
+  head.dataset.testid = "bulk-headline";
+  head.textContent = headline;
+  box.appendChild(head);
+  const counts = document.createElement("ul");
+  counts.dataset.testid = "bulk-counts";
+  for (const [action, number] of Object.entries(answer.counts).sort()) {
+    const item = document.createElement("li");
+    item.dataset.testid = `bulk-count-${action}`;
+    const meaning = BULK_ACTIONS[action];
+    item.textContent = `${action}: ${number}${meaning ? ` (${meaning})` : ""}`;
+    counts.appendChild(item);
+  }
+  box.appendChild(counts);
+  if (answer.calls.length === 0) return;
+  const table = document.createElement("table");
+  table.className = "calls";
+  const header = document.createElement("tr");
+  for (const name of ["Session", "Call", "Tool", "Action", "Note"]) {
+    const th = document.createElement("th");
+    th.textContent = name;
+    header.appendChild(th);
+  }
+  table.createTHead().appendChild(header);
+  const body = document.createElement("tbody");
+  body.dataset.testid = "bulk-calls";
+  for (const item of answer.calls.slice(0, BULK_LISTED)) {
+    const row = document.createElement("tr");
+    row.dataset.callId = item.call.id;
+    cell(row, item.call.session_id, "id");
+    cell(row, item.call.call_id, "id");
+    cell(row, item.call.tool_name);
+    cell(row, item.action);
+    cell(row, item.note, "reason");
+    body.appendChild(row);
+  }
+  table.appendChild(body);
+  box.appendChild(table);
+  if (answer.calls.length > BULK_LISTED) {
+    const more = document.createElement("p");
+    more.className = "muted";
+    more.textContent = `and ${answer.calls.length - BULK_LISTED} more`;
+    box.appendChild(more);
+  }
+}
+
+async function bulkDryRun(event) {
+  event.preventDefault();
+  clearError();
+  forgetBulkPlan();
+  $("bulk-summary").replaceChildren();
+  const request = bulkRequest();
+  if (request.body.operator) sessionStorage.setItem(OPERATOR_KEY, request.body.operator);
+  try {
+    const answer = await postBulk(request, { dry_run: true });
+    const time = answer.matched ? `; about ${span(answer.estimated_seconds)} at ${request.body.rate} per second` : "";
+    renderBulkSummary(
+      answer,
+      `Dry run: ${answer.matched} unknown call(s) match these filters${time}. Nothing has changed.`,
+    );
+    if (answer.matched > 0) {
+      bulkPlan = { ...request, matched: answer.matched };
+      const confirm = $("bulk-confirm");
+      confirm.textContent = `Resolve these ${answer.matched} call(s) by ${request.body.kind}`;
+      confirm.hidden = false;
+    }
+  } catch (error) {
+    showError(error);
+  }
+}
+
+async function bulkConfirm() {
+  clearError();
+  const request = bulkRequest();
+  const plan = bulkPlan;
+  if (!plan || request.params !== plan.params || JSON.stringify(request.body) !== JSON.stringify(plan.body)) {
+    forgetBulkPlan();
+    showProblem("The filters or the resolution changed since the dry run: run the dry run again. Nothing was resolved.");
+    return;
+  }
+  const buttons = [$("bulk-confirm"), document.querySelector("[data-testid=bulk-dry-run]")];
+  for (const button of buttons) button.disabled = true;
+  const head = document.createElement("p");
+  head.textContent = `Resolving ${plan.matched} call(s) at ${plan.body.rate} per second ` +
+    `(about ${span(plan.matched / plan.body.rate)}): keep this page open.`;
+  $("bulk-summary").replaceChildren(head);
+  try {
+    // max_calls: calls recorded since the dry run are not resolved unseen (the API says 409).
+    const answer = await postBulk(request, { dry_run: false, max_calls: plan.matched });
+    forgetBulkPlan();
+    renderBulkSummary(answer, `Done (bulk ${answer.run_id}): ${answer.matched} call(s) matched.`);
+    await loadCalls({ page: currentPage });
+  } catch (error) {
+    forgetBulkPlan();
+    $("bulk-summary").replaceChildren();
+    showError(error);
+  } finally {
+    for (const button of buttons) button.disabled = false;
+  }
+}
+
 // ------------------------------------------------------------------------- sessions
 
 function leaseOf(session) {
@@ -599,7 +751,7 @@ function showOperatorFields() {
 
 function init() {
   restoreFilters();
-  for (const form of [$("resolve"), $("approval")]) {
+  for (const form of [$("resolve"), $("approval"), $("bulk-form")]) {
     form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
   }
   $("token-form").addEventListener("submit", (event) => {
@@ -631,6 +783,13 @@ function init() {
   $("approval-deny").addEventListener("click", () => decideOpenCall("deny"));
   $("resolve").elements.kind.addEventListener("change", (event) => {
     $("resolve").elements.text.disabled = event.target.value === "rerun";
+  });
+  $("bulk-form").addEventListener("submit", bulkDryRun);
+  $("bulk-confirm").addEventListener("click", bulkConfirm);
+  // A changed filter or resolution is not what the dry run showed.
+  for (const form of [$("bulk-form"), $("filters")]) form.addEventListener("input", forgetBulkPlan);
+  $("bulk-form").elements.kind.addEventListener("change", (event) => {
+    $("bulk-form").elements.text.disabled = event.target.value === "rerun";
   });
   $("auto-refresh").addEventListener("change", scheduleRefresh);
   $("refresh-every").addEventListener("change", scheduleRefresh);
