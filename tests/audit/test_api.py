@@ -565,10 +565,13 @@ async def test_auth__every_data_route_needs_a_token_and_writes_need_full_rights(
     requests = concrete_requests(app)
     assert {path for _, path, writes in requests if writes} == {
         "/api/calls/tl_0123456789abcdef/resolve",
+        "/api/calls/tl_0123456789abcdef/approve",
+        "/api/calls/tl_0123456789abcdef/deny",
+        "/api/bulk/resolve",
         "/api/sessions/sess_x/watch",
         "/api/sessions/sess_x/unwatch",
     }
-    assert len(requests) >= 7
+    assert len(requests) >= 9
 
     wrong = [
         {},

@@ -70,7 +70,17 @@ async def test_bulk_resolve__dry_run_then_each_selected_call_once__hooks_first__
         error = ("--error", "the provider was down: not charged", "--reason", "incident 42")
 
         planned = await asyncio.to_thread(
-            cli, "calls", "resolve", "--filter", *selected, *error, "--dry-run", "--json", *where
+            cli,
+            "calls",
+            "resolve",
+            "--filter",
+            *selected,
+            *error,
+            "--tools",
+            TOOLS,
+            "--dry-run",
+            "--json",
+            *where,
         )
         unchanged = {k: (await ledger.store.get(k)) for k in keys}
         unconfirmed = await asyncio.to_thread(cli, "calls", "resolve", "--filter", *selected, *error, *where)
@@ -159,6 +169,9 @@ async def test_bulk_resolve__guards(database_url: str, emulator: EmulatorServer)
         bad_rate = await asyncio.to_thread(
             cli, "calls", "resolve", "--filter", "--tool", "pay", *happened, "--rate", "0", *where
         )
+        no_hook_planned = await asyncio.to_thread(
+            cli, "calls", "resolve", "--filter", "--session", session_id, *happened, "--dry-run", *where
+        )
         no_hook = await asyncio.to_thread(
             cli, "calls", "resolve", "--filter", "--session", session_id, *happened, *where
         )
@@ -174,6 +187,9 @@ async def test_bulk_resolve__guards(database_url: str, emulator: EmulatorServer)
     assert "filter on status unknown" in bad_status.output
     assert bad_rate.exit_code == 2
     assert "rate must be more than 0" in bad_rate.output
+    # The dry run says what the run would do: without --tools the hook cannot be asked.
+    assert no_hook_planned.exit_code == 0
+    assert "would_skip_verify_hook_unavailable: 1" in no_hook_planned.output
     assert no_hook.exit_code == 0
     assert "skipped_verify_hook_unavailable: 1" in no_hook.output
     # The operator says "it happened"; the provider has no such charge: not told to the model.

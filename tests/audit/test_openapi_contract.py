@@ -44,7 +44,8 @@ EXAMPLES_PER_OPERATION = 12
 
 
 async def _calls_in_every_state(url: str) -> None:
-    """A finished call with its result, one still running, one whose outcome is unknown."""
+    """A finished call with its result, one still running, one whose outcome is unknown, one
+    awaiting approval."""
     engine = create_engine(url)
     try:
         store = LedgerStore(engine, actor="contract-test")
@@ -73,6 +74,13 @@ async def _calls_in_every_state(url: str) -> None:
             lease_seconds=0.05,
         )
         await eventually(lambda: store.expire_leases(unknown), within=10, what=f"{unknown} expired")
+        await store.record_for_approval(
+            CallKey("sess_contract", "turn_2", "call_gated"),
+            tool_name="refund",
+            arguments={"order_id": "A1", "cents": 900},
+            effect_class=EffectClass.AT_MOST_ONCE,
+            approval_seconds=None,
+        )
     finally:
         await engine.dispose()
 
@@ -91,8 +99,9 @@ CONFIG = schemathesis.Config.from_dict(
             {
                 # Times, durations, cursors, statuses and call references have grammars JSON
                 # Schema does not state: a value that parses as none of them is 400, as the
-                # document declares, schema-valid or not (the counts take the same filters).
-                "include-path-regex": "^/api/(calls|counts)",
+                # document declares, schema-valid or not (the counts and a bulk resolution take the
+                # same filters; a bulk resolution also refuses a run over its time limit).
+                "include-path-regex": "^/api/(calls|counts|bulk)",
                 "checks": {
                     "positive_data_acceptance": {
                         "expected-statuses": ["2xx", "400", "401", "403", "404", "409"]
@@ -206,10 +215,35 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
             assert reason["minLength"] == 1
             assert "pattern" in reason
 
+        for action in ("approve", "deny"):
+            decision = document["paths"][f"/api/calls/{{ref}}/{action}"]["post"]
+            assert {"404", "409", "413"} <= set(decision["responses"]), action
+            schema = decision["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            fields = document["components"]["schemas"][schema.rsplit("/", 1)[1]]["properties"]
+            assert fields["reason"]["minLength"] == 1
+            assert "pattern" in fields["reason"]
+            assert "arguments_sha256" in fields
+            assert ("arguments" in fields) is (action == "approve")
+
+        bulk = document["paths"]["/api/bulk/resolve"]["post"]
+        assert {"409", "413"} <= set(bulk["responses"])
+        assert {p["name"] for p in bulk["parameters"]} >= {"session_id", "tool", "status", "since", "q"}
+        for variant in bulk["requestBody"]["content"]["application/json"]["schema"]["oneOf"]:
+            schema = document["components"]["schemas"][variant["$ref"].rsplit("/", 1)[1]]
+            assert "dry_run" in schema["required"]
+            assert (
+                schema["properties"]["rate"]["exclusiveMinimum"],
+                schema["properties"]["rate"]["maximum"],
+            ) == (
+                0,
+                1000,
+            )
+
         # Each status the document declares is one the API really gives.
-        wrong_method = await client.get("/api/calls/tl_0123456789abcdef/resolve", headers=READ)
-        assert wrong_method.status_code == 405
-        assert wrong_method.headers["allow"] == "POST"
+        for action in ("resolve", "approve", "deny"):
+            wrong_method = await client.get(f"/api/calls/tl_0123456789abcdef/{action}", headers=READ)
+            assert wrong_method.status_code == 405, action
+            assert wrong_method.headers["allow"] == "POST"
         for params in ({"limit": "0"}, {"limit": "501"}, {"limit": "x"}, {"since": "soon"}):
             refused = await client.get("/api/calls", params=params, headers=READ)
             assert refused.status_code == 400, params

@@ -7,6 +7,7 @@ operator recorded), and hostile text shown as text."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import subprocess
@@ -14,11 +15,14 @@ import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.audit import bulk_tools
+from tests.audit.test_bulk_resolve import unknown_calls
 from tests.support.executor_harness import pending_actions, running_ledger
 from tests.support.ledger_fill import FilledLedger, fill_ledger
 from tests.support.paths import ROOT
@@ -26,7 +30,13 @@ from tests.support.polling import eventually
 from tests.support.shop_tools import CANARY
 from tests.support.shop_tools import registry as shop_tools
 from toolledger.domain.alerts import call_page_url
+from toolledger.domain.keys import CallKey, arguments_fingerprint
+from toolledger.domain.results import DENIED_PREFIX
 from toolledger.emulator import EmulatorServer
+from toolledger.runtime.context import ToolContext
+from toolledger.runtime.registry import ToolRegistry
+from toolledger.runtime.service import Service
+from toolledger.settings import Settings
 from toolledger.store import migrate
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -58,24 +68,14 @@ async def _hostile_call(database_url: str, emulator: EmulatorServer) -> None:
             await running.handle(session_id, action)
 
 
-@pytest.fixture(scope="module")
-def api_url(
-    ledger: FilledLedger, emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """`toolledger api` as a process, on a free port, with a full and a read-only token."""
-    log = (tmp_path_factory.mktemp("web-api") / "api.log").open("w+")
-    env = {
-        **os.environ,
-        "TOOLLEDGER_DATABASE_URL": ledger.database_url,
-        "TOOLLEDGER_OPENAI_BASE_URL": emulator_server.base_url,
-        "TOOLLEDGER_API_TOKENS": f'{{"alice": "{ALICE}"}}',
-        "TOOLLEDGER_API_READ_TOKENS": f'{{"auditor": "{READER}"}}',
-        "PYTHONPATH": str(ROOT),
-    }
+@contextlib.contextmanager
+def api_process(env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """`toolledger api` as a process on a free port, with ``env``; yields its address."""
+    log = log_path.open("w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "toolledger.cli", "api", "--port", "0"],
         cwd=ROOT,
-        env=env,
+        env={**env, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
@@ -92,8 +92,31 @@ def api_url(
         log.close()
 
 
-@pytest.fixture
-async def page(api_url: str) -> AsyncIterator[Any]:
+def with_tokens(database_url: str, emulator: EmulatorServer) -> dict[str, str]:
+    """The environment of an API with a full and a read-only token, sending to the emulator."""
+    return {
+        **os.environ,
+        "TOOLLEDGER_DATABASE_URL": database_url,
+        "TOOLLEDGER_OPENAI_BASE_URL": emulator.base_url,
+        "TOOLLEDGER_API_TOKENS": f'{{"alice": "{ALICE}"}}',
+        "TOOLLEDGER_API_READ_TOKENS": f'{{"auditor": "{READER}"}}',
+    }
+
+
+@pytest.fixture(scope="module")
+def api_url(
+    ledger: FilledLedger, emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """`toolledger api` over the filled ledger, with a full and a read-only token."""
+    with api_process(
+        with_tokens(ledger.database_url, emulator_server), tmp_path_factory.mktemp("web-api") / "api.log"
+    ) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def browser_page(url: str) -> AsyncIterator[Any]:
+    """Headless Chromium on the web view at ``url``; the page's script must not fail."""
     async with playwright_api.async_playwright() as playwright:
         browser = await playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"]
@@ -103,11 +126,17 @@ async def page(api_url: str) -> AsyncIterator[Any]:
             page.set_default_timeout(TIMEOUT_MS)
             errors: list[str] = []
             page.on("pageerror", lambda error: errors.append(str(error)))
-            await page.goto(f"{api_url}/ui/")
+            await page.goto(f"{url}/ui/")
             yield page
             assert errors == [], f"the page's script failed: {errors}"
         finally:
             await browser.close()
+
+
+@pytest.fixture
+async def page(api_url: str) -> AsyncIterator[Any]:
+    async with browser_page(api_url) as page:
+        yield page
 
 
 async def _use_token(page: Any, token: str) -> None:
@@ -120,7 +149,8 @@ async def _rows(page: Any) -> list[dict[str, str]]:
         "[data-testid=call-row]",
         "rows => rows.map(r => ({id: r.dataset.callId, status: r.dataset.status,"
         " tool: r.querySelector('td.tool').textContent,"
-        " unknown: String(r.classList.contains('row-unknown'))}))",
+        " unknown: String(r.classList.contains('row-unknown')),"
+        " approval: String(r.classList.contains('row-approval'))}))",
     )
     return rows
 
@@ -368,30 +398,14 @@ async def test_web_view__deep_links_pages_outcomes_and_sessions(
 @pytest.fixture(scope="module")
 def local_api_url(ledger: FilledLedger, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`toolledger api` with no token at all: loopback only, anyone on the machine."""
-    log = (tmp_path_factory.mktemp("web-local-api") / "api.log").open("w+")
     env = {
         key: value
         for key, value in os.environ.items()
         if key not in ("TOOLLEDGER_API_TOKENS", "TOOLLEDGER_API_READ_TOKENS", "TOOLLEDGER_OPENAI_BASE_URL")
     }
-    env.update({"TOOLLEDGER_DATABASE_URL": ledger.database_url, "PYTHONPATH": str(ROOT)})
-    process = subprocess.Popen(
-        [sys.executable, "-m", "toolledger.cli", "api", "--port", "0"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        match = re.search(r"audit API: (http://\S+)", process.stdout.readline())
-        assert match
-        yield match.group(1)
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-        log.close()
+    env["TOOLLEDGER_DATABASE_URL"] = ledger.database_url
+    with api_process(env, tmp_path_factory.mktemp("web-local-api") / "api.log") as url:
+        yield url
 
 
 async def test_web_view__without_tokens_the_operator_names_themselves_and_no_dead_lease_shows(
@@ -416,3 +430,237 @@ async def test_web_view__without_tokens_the_operator_names_themselves_and_no_dea
     await playwright_api.expect(page.get_by_test_id("resolve-result")).to_contain_text("Resolved")
     events = await page.locator("[data-testid=timeline-row]").all_text_contents()
     assert any("operator:carol" in event and "checked the PSP" in event for event in events), events
+
+
+# ------------------------------------------------------------------ approval gates
+
+REFUND_A = {"order_id": "A1", "cents": 90_000}
+REFUND_B = {"order_id": "B2", "cents": 70_000}
+
+
+def gated_refunds(runs: list[dict[str, Any]]) -> ToolRegistry:
+    registry = ToolRegistry()
+
+    @registry.tool(approval=True, approval_timeout=3600)
+    async def refund(order_id: str, cents: int, ctx: ToolContext) -> str:
+        runs.append({"order_id": order_id, "cents": cents})
+        return f"refunded {cents}"
+
+    return registry
+
+
+@dataclass(frozen=True)
+class ApprovalsApi:
+    url: str
+    database_url: str
+
+
+@pytest.fixture(scope="module")
+def approvals_api(
+    emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ApprovalsApi]:
+    """`toolledger api` (no tools: `serve` runs what is approved) over a ledger of its own."""
+    workdir = tmp_path_factory.mktemp("web-approvals")
+    database_url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
+    migrate.upgrade(database_url)
+    with api_process(with_tokens(database_url, emulator_server), workdir / "api.log") as url:
+        yield ApprovalsApi(url, database_url)
+
+
+async def test_web_view__approves_a_call_with_amended_arguments_and_denies_another(
+    approvals_api: ApprovalsApi, emulator_server: EmulatorServer
+) -> None:
+    runs: list[dict[str, Any]] = []
+    session_id, actions = await pending_actions(emulator_server, [("refund", REFUND_A), ("refund", REFUND_B)])
+    approved, denied = (CallKey(session_id, a.turn_id, a.call_id).idempotency_key for a in actions)
+    settings = Settings(
+        database_url=approvals_api.database_url,
+        openai_base_url=emulator_server.base_url,
+        worker_id="web-serve",
+        reconcile_interval_seconds=300.0,
+        decision_poll_seconds=0.2,
+    )
+    # `serve`, following the session: it records both calls awaiting approval, runs what is
+    # approved.
+    async with (
+        Service(gated_refunds(runs), settings, auto_migrate=False) as service,
+        browser_page(approvals_api.url) as page,
+    ):
+        await service.watch(session_id)
+        await _use_token(page, ALICE)
+        await page.get_by_test_id("refresh-every").select_option("2")
+        await page.get_by_test_id("filter-status").select_option("awaiting_approval")
+        await page.get_by_test_id("apply").click()
+        rows = await _wait_rows(page, lambda rows: len(rows) == 2)
+        assert {row["id"] for row in rows} == {approved, denied}
+        assert all(row["approval"] == "true" for row in rows), "calls awaiting approval are highlighted"
+        assert "awaiting_approval 2" in await page.get_by_test_id("counts").text_content()
+
+        # The call, its arguments and their fingerprint, its deadline, and the form.
+        await page.locator(f"[data-testid=call-row][data-call-id='{approved}']").click()
+        await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(approved)
+        form = page.get_by_test_id("approval")
+        await form.wait_for(state="visible")
+        assert await page.get_by_test_id("resolve").is_hidden()
+        assert '"cents": 90000' in await page.get_by_test_id("detail-arguments").text_content()
+        sha256 = await page.get_by_test_id("approval-sha256").text_content()
+        assert sha256 == arguments_fingerprint(REFUND_A)
+        assert "not approved in time" in await page.get_by_test_id("approval-deadline").text_content()
+        await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
+        await page.screenshot(path=str(SHOTS / "approval.png"), full_page=True)
+
+        # Amended arguments are checked before anything is sent.
+        error = page.get_by_test_id("error")
+        await page.get_by_test_id("approval-reason").fill("cap at 90 euros")
+        for typed, problem in (
+            ("[1, 2]", "must be a JSON object"),
+            ("{not json", "are not JSON"),
+            ('{"order_id": "[REDACTED]", "cents": 9000}', "a masked value"),
+        ):
+            await page.get_by_test_id("approval-arguments").fill(typed)
+            await page.get_by_test_id("approval-approve").click()
+            await playwright_api.expect(error).to_contain_text(problem)
+            assert "nothing was sent" in (await error.text_content()).lower()
+        assert await page.get_by_test_id("field-status").text_content() == "awaiting_approval"
+
+        await page.get_by_test_id("approval-arguments").fill('{"order_id": "A1", "cents": 9000}')
+        await page.get_by_test_id("approval-approve").click()
+        result = page.get_by_test_id("approval-result")
+        await playwright_api.expect(result).to_contain_text("Approved: `toolledger serve` runs it now")
+        assert await error.is_hidden()
+        # `serve` runs it within a poll; the page, refreshing, shows it answered.
+        await playwright_api.expect(page.get_by_test_id("field-status")).to_have_text("submitted")
+        assert await form.is_hidden()
+        assert '"cents": 9000' in await page.get_by_test_id("detail-approved-arguments").text_content()
+        assert await page.get_by_test_id("field-approval_decided_by").text_content() == "alice"
+        events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+        assert any("operator:alice" in e and "approved by alice: cap at 90 euros" in e for e in events), (
+            events
+        )
+        assert runs == [{"order_id": "A1", "cents": 9000}]
+
+        # The other call: a page whose fingerprint is not the call's decides nothing (as if
+        # the arguments had changed since it was shown); then denied with a reason.
+        await page.get_by_test_id("auto-refresh").uncheck()
+        await asyncio.sleep(0.5)  # a refresh already under way finishes
+        await page.locator(f"[data-testid=call-row][data-call-id='{denied}']").click()
+        await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(denied)
+        await form.wait_for(state="visible")
+        await page.evaluate("document.getElementById('approval').dataset.sha256 = '0'.repeat(64)")
+        reason = "over the limit: ask a manager"
+        await page.get_by_test_id("approval-reason").fill(reason)
+        await page.get_by_test_id("approval-deny").click()
+        await playwright_api.expect(error).to_contain_text("look again")
+        assert await page.get_by_test_id("field-status").text_content() == "awaiting_approval"
+        # Refused, the page read the call again: its fingerprint is the call's once more.
+        await playwright_api.expect(form).to_have_attribute("data-sha256", arguments_fingerprint(REFUND_B))
+
+        await page.get_by_test_id("approval-deny").click()
+        await playwright_api.expect(result).to_contain_text("Denied: the model has been told")
+        assert await page.get_by_test_id("field-status").text_content() == "submitted"
+        assert await page.get_by_test_id("field-error_stage").text_content() == "approval"
+        events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+        assert any("operator:alice" in e and f"denied by alice: {reason}" in e for e in events), events
+        await _wait_rows(page, lambda rows: rows == [])  # nothing awaits approval any more
+
+    assert runs == [{"order_id": "A1", "cents": 9000}], "the approved call ran once, the denied one never"
+    accepted = emulator_server.control.accepted_results(session_id)
+    [approved_answer], [denial] = (accepted[(session_id, a.turn_id, a.call_id)] for a in actions)
+    assert approved_answer["output"] == "refunded 9000"
+    assert (denial["success"], denial["error"]) == (False, DENIED_PREFIX + reason)
+
+
+# ------------------------------------------------------------------ bulk resolution
+
+
+@pytest.fixture(scope="module")
+def bulk_api(
+    emulator_server: EmulatorServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ApprovalsApi]:
+    """`toolledger api` (no tools: verified calls are skipped) over a ledger of its own."""
+    workdir = tmp_path_factory.mktemp("web-bulk")
+    database_url = f"sqlite+aiosqlite:///{workdir / 'ledger.sqlite3'}"
+    migrate.upgrade(database_url)
+    with api_process(with_tokens(database_url, emulator_server), workdir / "api.log") as url:
+        yield ApprovalsApi(url, database_url)
+
+
+async def test_web_view__resolves_all_matching_unknown_calls__dry_run_first_then_confirmed(
+    bulk_api: ApprovalsApi, emulator_server: EmulatorServer
+) -> None:
+    async with running_ledger(bulk_tools.registry, bulk_api.database_url, emulator_server) as ledger:
+        session_id, [charge_1, charge_2, pay] = await unknown_calls(
+            ledger,
+            emulator_server,
+            [("charge", {"cents": 1}), ("charge", {"cents": 2}), ("pay", {"cents": 3})],
+        )
+        other_session, [ship] = await unknown_calls(ledger, emulator_server, [("ship", {"order": "A1"})])
+    not_charged = "the provider was down: not charged"
+
+    async with browser_page(bulk_api.url) as page:
+        await _use_token(page, ALICE)
+        await page.get_by_test_id("auto-refresh").uncheck()
+        await _wait_rows(page, lambda rows: len(rows) == 4)
+        await page.get_by_test_id("bulk-open").click()
+        await page.get_by_test_id("bulk-kind").select_option("error")
+        await page.get_by_test_id("bulk-text").fill(not_charged)
+        await page.get_by_test_id("bulk-reason").fill("incident 42")
+        await page.get_by_test_id("bulk-rate").fill("20")
+
+        # No filter: every unknown call in the ledger is not a selection; the API's word, shown.
+        error = page.get_by_test_id("error")
+        await page.get_by_test_id("bulk-dry-run").click()
+        await playwright_api.expect(error).to_contain_text("at least one filter besides the status")
+        confirm = page.get_by_test_id("bulk-confirm")
+        assert await confirm.is_hidden()
+
+        # The session's calls: a dry run says how many and what would become of them.
+        await page.get_by_test_id("filter-session_id").fill(session_id)
+        await page.get_by_test_id("apply").click()
+        await _wait_rows(page, lambda rows: len(rows) == 3)
+        await page.get_by_test_id("bulk-dry-run").click()
+        headline = page.get_by_test_id("bulk-headline")
+        await playwright_api.expect(headline).to_contain_text("Dry run: 3 unknown call(s) match")
+        assert await error.is_hidden()
+        assert "Nothing has changed" in await headline.text_content()
+        counts = await page.get_by_test_id("bulk-counts").locator("li").all_text_contents()
+        assert [c.split(" (")[0] for c in counts] == [
+            "would_resolve: 2",
+            "would_skip_verify_hook_unavailable: 1",
+        ]
+        await playwright_api.expect(confirm).to_have_text("Resolve these 3 call(s) by error")
+        assert emulator_server.control.tool_results(session_id) == []
+        assert {row["status"] for row in await _rows(page)} == {"unknown"}
+        await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
+        await page.screenshot(path=str(SHOTS / "bulk-dry-run.png"), full_page=True)
+
+        # What the dry run showed is what is confirmed: a changed resolution needs another one.
+        await page.get_by_test_id("bulk-reason").fill("incident 42, confirmed")
+        assert await confirm.is_hidden()
+        await page.get_by_test_id("bulk-dry-run").click()
+        await playwright_api.expect(confirm).to_be_visible()
+
+        await confirm.click()
+        await playwright_api.expect(headline).to_contain_text("Done (bulk ")
+        counts = await page.get_by_test_id("bulk-counts").locator("li").all_text_contents()
+        assert [c.split(" (")[0] for c in counts] == ["skipped_verify_hook_unavailable: 1", "submitted: 2"]
+        assert await confirm.is_hidden()
+        rows = await _wait_rows(page, lambda rows: sum(r["status"] == "submitted" for r in rows) == 2)
+        assert {r["id"]: r["status"] for r in rows} == {
+            charge_1.idempotency_key: "submitted",
+            charge_2.idempotency_key: "submitted",
+            pay.idempotency_key: "unknown",
+        }
+        await page.screenshot(path=str(SHOTS / "bulk-done.png"), full_page=True)
+
+        # Each call's timeline: the operator (the token's name), the reason and the run.
+        await page.locator(f"[data-testid=call-row][data-call-id='{charge_1.idempotency_key}']").click()
+        await playwright_api.expect(page.get_by_test_id("field-status")).to_have_text("submitted")
+        events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+        assert any("operator:alice" in e and "incident 42, confirmed (bulk " in e for e in events), events
+
+    received = {r.payload["call_id"]: r.payload for r in emulator_server.control.tool_results(session_id)}
+    assert set(received) == {charge_1.call_id, charge_2.call_id}
+    assert all(payload["error"] == not_charged for payload in received.values())
+    assert emulator_server.control.tool_results(other_session) == []
+    assert ship.session_id == other_session

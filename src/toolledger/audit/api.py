@@ -6,8 +6,10 @@ Every ``/api`` route depends on ``auth.authenticated``; only ``/healthz``, ``/re
 page when enabled, and the static page itself are open. Errors keep to ``{"detail": "..."}``:
 any request the API cannot use (a bad filter, reference or body, whoever noticed it: our
 parsers or FastAPI's validation) is 400, a missing or invalid token 401, a read token on a
-write 403, a call nobody has 404, the wrong method 405, an ambiguous or settled call 409, a
-body over 64 KiB 413, a database away 503, anything else a bare 500 (the exception is logged,
+write 403, a call nobody has 404, the wrong method 405, an ambiguous or settled call (or one
+no longer awaiting approval, or whose arguments are not those approved; or a bulk
+resolution matching more calls than its max_calls) 409, a body over
+64 KiB 413, a database away 503, anything else a bare 500 (the exception is logged,
 redacted). The OpenAPI document declares exactly these (``_openapi``), and a contract test
 holds the app to it.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import traceback
@@ -37,14 +40,15 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from toolledger.audit.auth import Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
+from toolledger.audit import bulk
+from toolledger.audit.auth import Principal, Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
 from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
 from toolledger.audit.service import (
     MAX_OPERATOR_CHARS,
@@ -52,6 +56,8 @@ from toolledger.audit.service import (
     REASON_PATTERN,
     AmbiguousCallError,
     AuditService,
+    Decision,
+    NotAwaitingApprovalError,
     NotResolvableError,
     Resolution,
     ResolutionKind,
@@ -74,7 +80,7 @@ from toolledger.domain.queries import (
     parse_statuses,
 )
 from toolledger.domain.redaction import Redactor
-from toolledger.domain.results import TOOL_ERROR_MAX_CHARS
+from toolledger.domain.results import DENIED_PREFIX, TOOL_ERROR_MAX_CHARS
 from toolledger.domain.states import CallStatus
 from toolledger.errors import (
     CallNotFoundError,
@@ -134,7 +140,9 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class _ResolveBody(BaseModel):
+class _OperatorBody(BaseModel):
+    """What every operator's decision carries: why, and (only without tokens) who."""
+
     model_config = ConfigDict(extra="forbid")
 
     reason: Text = Field(
@@ -148,36 +156,155 @@ class _ResolveBody(BaseModel):
         default=None,
         min_length=1,
         max_length=MAX_OPERATOR_CHARS,
-        description="Who resolves it, only when the API has no tokens (loopback only): recorded "
+        description="Who decides, only when the API has no tokens (loopback only): recorded "
         "instead of 'local'. With tokens the token's name is the operator, and this is 400.",
     )
 
 
-class OutputResolution(_ResolveBody):
+class OutputResolution(_OperatorBody):
     kind: Literal["output"] = Field(description="It happened: this is its output.")
     text: Text = Field(description="The output the model is given, as the tool would have returned it.")
 
 
-class ErrorResolution(_ResolveBody):
+class ErrorResolution(_OperatorBody):
     kind: Literal["error"] = Field(description="It did not happen (or failed): the model gets this message.")
     text: Text = Field(min_length=1, max_length=TOOL_ERROR_MAX_CHARS, description="The error message.")
 
 
-class RerunResolution(_ResolveBody):
+class RerunResolution(_OperatorBody):
     kind: Literal["rerun"] = Field(description="Running it again is safe: it is handed back to a handler.")
 
 
 ResolveRequest = Annotated[OutputResolution | ErrorResolution | RerunResolution, Field(discriminator="kind")]
 
 
+SHA256_PATTERN = "^[0-9a-f]{64}$"
+DENIAL_MAX_CHARS = TOOL_ERROR_MAX_CHARS - len(DENIED_PREFIX)
+"""A denial's reason is sent to the model after a fixed prefix, within a tool error's length."""
+
+
+class _DecisionBody(_OperatorBody):
+    arguments_sha256: str | None = Field(
+        default=None,
+        pattern=SHA256_PATTERN,
+        description="The call's `arguments_sha256` as you saw it with its arguments: if the call's "
+        "arguments are other, the decision is refused (409). Leave it out to decide on whatever "
+        "the call holds.",
+    )
+
+
+class ApproveRequest(_DecisionBody):
+    arguments: dict[str, Any] | None = Field(
+        default=None,
+        description="Amended arguments (a JSON object) the handler receives instead of the model's; "
+        "both are kept. Checked as strictly as the model's (finite numbers, within the size limit). "
+        "Leave it out to run the call as the model asked.",
+    )
+
+
+class DenyRequest(_DecisionBody):
+    reason: Text = Field(
+        min_length=1,
+        max_length=DENIAL_MAX_CHARS,
+        json_schema_extra={"pattern": REASON_PATTERN},
+        description="Why, not blank: recorded in the call's timeline with your token's name, and sent "
+        f"to the model as the call's failure (after {DENIED_PREFIX!r}).",
+    )
+
+
 class ResolveResponse(BaseModel):
     action: ResolveAction = Field(
         description="submitted; abandoned (the session no longer awaits it); submit_failed (left for "
         "the reconciler); not_sent (no Agents API configured here: `serve` submits it); rerun (ran "
-        "again here and submitted); left_for_service (`serve` runs it again, or another worker took "
-        "it first)."
+        "again here and submitted); ran (approved, run here and submitted); left_for_service "
+        "(re-opened or approved: `serve` runs it, or another worker took it first)."
     )
     call: CallView
+
+
+MAX_BULK_SECONDS = 120
+"""The longest one bulk resolution may take at its rate: a request held open longer is cut by
+proxies and browsers alike (the calls go on being resolved, the summary is lost). Longer runs
+are for the CLI (`toolledger calls resolve --filter`), which has no such limit."""
+BULK_NO_HOOK_HINT = (
+    "verified: this API does not have the application's tools, so its verify hook cannot be asked: "
+    "resolve it with `toolledger calls resolve --filter ... --tools`, or through `serve --api`"
+)
+
+
+BULK_DESCRIPTION = (
+    "The filters are those of `GET /api/calls`, as query parameters; at least one besides the "
+    "status must narrow the selection, and a status may only say `unknown`. Each call is resolved "
+    "as `POST /api/calls/{ref}/resolve` would, with its own event in its timeline (your token's "
+    "name, the reason, and the run's id). A `verified` call's hook is asked first where the API "
+    "has the application's tools (`serve --api`); the stand-alone `toolledger api` has none and "
+    f"skips those calls (`{bulk.SKIPPED_NO_HOOK}`). A dry run answers what the run would do, and "
+    f"is refused as the run would be. The run must fit in {MAX_BULK_SECONDS} s at its rate "
+    f"(matched / rate), and one selects at most {bulk.MAX_CALLS} calls: for more, use "
+    "`toolledger calls resolve --filter`."
+)
+
+
+class _BulkOptions(BaseModel):
+    dry_run: StrictBool = Field(
+        description="true: answer which calls would be resolved, and how, changing nothing. false: "
+        "resolve them. Required: there is no confirmation step here, so say which you mean."
+    )
+    rate: float = Field(
+        default=bulk.DEFAULT_RATE,
+        gt=0,
+        le=bulk.MAX_RATE,
+        description="Calls resolved per second at most. The run must fit "
+        f"{MAX_BULK_SECONDS} s at this rate (matched / rate), else 400.",
+    )
+    max_calls: int | None = Field(
+        default=None,
+        ge=0,
+        le=bulk.MAX_CALLS,
+        description="Refuse (409) if more calls match than this: send a dry run's `matched`, so "
+        "that calls recorded since the dry run are not resolved unseen.",
+    )
+
+
+class BulkOutputResolution(OutputResolution, _BulkOptions):
+    pass
+
+
+class BulkErrorResolution(ErrorResolution, _BulkOptions):
+    pass
+
+
+class BulkRerunResolution(RerunResolution, _BulkOptions):
+    pass
+
+
+BulkResolveRequest = Annotated[
+    BulkOutputResolution | BulkErrorResolution | BulkRerunResolution, Field(discriminator="kind")
+]
+
+
+class BulkResolveItem(BaseModel):
+    action: str = Field(
+        description="What happened to the call: a resolution's action (submitted, not_sent, "
+        f"left_for_service, ...); or {bulk.SETTLED_BY_HOOK} (its verify hook found it happened: "
+        f"the true outcome was submitted), {bulk.SKIPPED_NO_HOOK} (verified, and this API has no "
+        f"tools to ask its hook), {bulk.SKIPPED_CONTRADICTED} (the hook says it did not happen: "
+        f"not told otherwise), {bulk.SKIPPED_CHANGED} (settled meanwhile). A dry run: "
+        f"{bulk.WOULD_RESOLVE}, {bulk.WOULD_VERIFY}, {bulk.WOULD_SKIP_NO_HOOK}."
+    )
+    note: str | None = Field(default=None, description="Why, where the action alone does not say.")
+    call: CallView = Field(description="The call as it is now (as it was, in a dry run).")
+
+
+class BulkResolveResponse(BaseModel):
+    run_id: str = Field(description="Named in each resolved call's reason: `(bulk RUN_ID, 3/12)`.")
+    dry_run: bool
+    matched: int = Field(description="The unknown calls the filters selected.")
+    estimated_seconds: float = Field(description="matched / rate: how long the run takes, at least.")
+    counts: dict[str, int] = Field(description="How many calls came to each action.")
+    calls: list[BulkResolveItem] = Field(
+        description="Each call, in the order resolved (newest first, as listed)."
+    )
 
 
 class UnwatchRequest(BaseModel):
@@ -309,9 +436,11 @@ _MEANINGS = {
     403: "A read-only token where the ledger would change; or, with no token configured, a request "
     "not addressed to this machine's loopback address.",
     404: "Nothing by that name in the ledger.",
-    405: "The path ends in /resolve, which takes POST only.",
-    409: "The reference names several calls (give SESSION/TURN/CALL), or the call is not unknown "
-    "(only an unknown outcome can be resolved), or it changed meanwhile.",
+    405: "The path ends in /resolve, /approve or /deny, which take POST only.",
+    409: "The reference names several calls (give SESSION/TURN/CALL), or the call is not in the "
+    "state the action needs (only an unknown outcome can be resolved, only a call awaiting "
+    "approval approved or denied), or its arguments are not the sha256 given, or it changed "
+    "meanwhile; or more calls match a bulk resolution than its max_calls.",
     413: f"The body is over {MAX_BODY_BYTES // 1024} KiB.",
     503: "The ledger database is unavailable (or its schema is not current): try again.",
 }
@@ -342,7 +471,33 @@ def _add_routes(app: FastAPI) -> None:
             "Settle an unknown call",
             (404, 409, 413),
         ),
+        (
+            "POST",
+            "/api/calls/{ref:path}/approve",
+            approve_call,
+            ResolveResponse,
+            "Let a call awaiting approval run once, maybe with amended arguments",
+            (404, 409, 413),
+        ),
+        (
+            "POST",
+            "/api/calls/{ref:path}/deny",
+            deny_call,
+            ResolveResponse,
+            "Refuse a call awaiting approval: the model gets the reason",
+            (404, 409, 413),
+        ),
         ("GET", "/api/calls/{ref:path}", show_call, CallDetail, "A call and its timeline", (404, 405, 409)),
+        (
+            # Not under /api/calls: that path's reference swallows slashes, so any path there
+            # could name a call.
+            "POST",
+            "/api/bulk/resolve",
+            bulk_resolve,
+            BulkResolveResponse,
+            "Resolve every unknown call the filters select, one by one, at a bounded rate",
+            (409, 413),
+        ),
         ("GET", "/api/sessions", list_sessions, list[SessionView], "Sessions, newest first", ()),
         (
             "GET",
@@ -369,6 +524,7 @@ def _add_routes(app: FastAPI) -> None:
             (404, 413),
         ),
     ]
+    described = {"/api/bulk/resolve": BULK_DESCRIPTION}
     for method, path, endpoint, model, summary, errors in data:
         app.add_api_route(
             path,
@@ -376,6 +532,7 @@ def _add_routes(app: FastAPI) -> None:
             methods=[method],
             response_model=model,
             summary=summary,
+            description=described.get(path),
             responses=_errors(*sorted({*_EVERY_API_ROUTE, *errors})),
             dependencies=[Depends(_each_given_once)],
         )
@@ -527,17 +684,21 @@ _SessionId = Annotated[
 ]
 
 
+def _operator(principal: Principal, body: _OperatorBody) -> str:
+    """The token's name; without tokens (loopback only) whoever the body names, else 'local'."""
+    if body.operator is None:
+        return principal.name
+    if not principal.local:
+        raise QueryError("operator: with API tokens the operator is your token's name; leave it out")
+    return body.operator.strip()
+
+
 async def resolve_call(
     ref: _Reference, body: Annotated[ResolveRequest, Body()], principal: Writer, audit: Audit
 ) -> ResolveResponse:
-    operator = principal.name
-    if body.operator is not None:
-        if not principal.local:
-            raise QueryError("operator: with API tokens the operator is your token's name; leave it out")
-        operator = body.operator.strip()
     resolution = Resolution(
         kind=ResolutionKind(body.kind),
-        operator=operator,
+        operator=_operator(principal, body),
         reason=body.reason,
         text=None if isinstance(body, RerunResolution) else body.text,
     )
@@ -545,11 +706,125 @@ async def resolve_call(
     return ResolveResponse.model_validate({"action": report.action, "call": report.call})
 
 
+async def approve_call(
+    ref: _Reference, body: ApproveRequest, principal: Writer, audit: Audit, request: Request
+) -> ResolveResponse:
+    if body.arguments is not None:
+        _refuse_repeated_keys(await request.body())
+    decision = Decision(
+        operator=_operator(principal, body),
+        reason=body.reason,
+        arguments_sha256=body.arguments_sha256,
+        # Text, as the CLI passes it: the service checks it as strictly as the model's.
+        amended_arguments=None if body.arguments is None else json.dumps(body.arguments),
+    )
+    report = await audit.approve(ref, decision)
+    return ResolveResponse.model_validate({"action": report.action, "call": report.call})
+
+
+async def bulk_resolve(
+    principal: Writer,
+    filters: CallFilters,
+    body: Annotated[BulkResolveRequest, Body()],
+    request: Request,
+) -> BulkResolveResponse:
+    """Every unknown call ``filters`` select, resolved one by one (BULK_DESCRIPTION)."""
+    if filters is None:
+        raise QueryError("only calls whose outcome is unknown can be resolved: filter on status unknown")
+    if not _narrows(filters):
+        raise QueryError(
+            "say which unknown calls to resolve: give at least one filter besides the status "
+            "(session_id, turn_id, tool, effect_class, since, until, q)"
+        )
+    resolution = Resolution(
+        kind=ResolutionKind(body.kind),
+        operator=_operator(principal, body),
+        reason=body.reason,
+        text=None if isinstance(body, BulkRerunResolution) else body.text,
+    )
+    resolver = bulk.BulkResolver(_audit(request), rate=body.rate, no_hook_hint=BULK_NO_HOOK_HINT)
+    calls = await resolver.matching(filters)
+    seconds = len(calls) / body.rate
+    if seconds > MAX_BULK_SECONDS:
+        raise QueryError(
+            f"{len(calls)} calls at {body.rate:g} per second take {seconds:.0f} s, more than the "
+            f"{MAX_BULK_SECONDS} s one request may: narrow the filters, raise the rate (at most "
+            f"{bulk.MAX_RATE:g}), or use `toolledger calls resolve --filter`"
+        )
+    if body.max_calls is not None and len(calls) > body.max_calls:
+        raise NotResolvableError(
+            f"the filters now select {len(calls)} unknown calls, more than max_calls "
+            f"({body.max_calls}): look again with a dry run"
+        )
+    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run)
+    if not body.dry_run:
+        log.info(
+            "bulk resolution %s by %s: %d call(s) by %s: %s",
+            report.run_id,
+            resolution.operator,
+            report.matched,
+            resolution.kind.value,
+            report.counts,
+        )
+    return BulkResolveResponse.model_validate(
+        {
+            "run_id": report.run_id,
+            "dry_run": report.dry_run,
+            "matched": report.matched,
+            "estimated_seconds": seconds,
+            "counts": report.counts,
+            "calls": [{"action": i.action, "note": i.note, "call": i.call} for i in report.items],
+        }
+    )
+
+
+def _narrows(query: CallQuery) -> bool:
+    """Some filter besides the status selects calls: a bulk resolution takes unknown calls
+    only, so "status unknown" alone would be every one the ledger holds."""
+    return any(
+        (
+            query.session_id,
+            query.turn_id,
+            query.tool_names,
+            query.outcomes,
+            query.effect_classes,
+            query.since,
+            query.until,
+            query.text,
+        )
+    )
+
+
+def _refuse_repeated_keys(raw: bytes) -> None:
+    """A JSON parser keeps the last of a repeated key, silently; amended arguments are held to
+    the model's rules, which refuse one (which amount did the approver mean?)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        if len({key for key, _ in pairs}) != len(pairs):
+            raise QueryError("a key appears twice in one object of the body: which one was meant?")
+        return dict(pairs)
+
+    json.loads(raw, object_pairs_hook=unique)
+
+
+async def deny_call(ref: _Reference, body: DenyRequest, principal: Writer, audit: Audit) -> ResolveResponse:
+    decision = Decision(
+        operator=_operator(principal, body), reason=body.reason, arguments_sha256=body.arguments_sha256
+    )
+    report = await audit.deny(ref, decision)
+    return ResolveResponse.model_validate({"action": report.action, "call": report.call})
+
+
+POST_ONLY = ("resolve", "approve", "deny")
+"""The actions on a call, each a POST to ``/api/calls/{ref}/<action>``."""
+
+
 async def show_call(ref: _Reference, _principal: Reader, audit: Audit) -> CallDetail:
-    if ref.endswith("/resolve"):
-        # Routing gives a GET of .../resolve to this route (its path swallows slashes): it is
-        # the resolve route asked with the wrong method, not a reference to show.
-        raise HTTPException(405, "resolve takes POST", headers={"Allow": "POST"})
+    action = ref.rsplit("/", 1)[-1]
+    if "/" in ref and action in POST_ONLY:
+        # Routing gives a GET of .../resolve (or .../approve, .../deny) to this route (its path
+        # swallows slashes): it is that action asked with the wrong method, not a reference.
+        raise HTTPException(405, f"{action} takes POST", headers={"Allow": "POST"})
     return await audit.show(ref)
 
 
@@ -703,7 +978,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(QueryError, answer(400))
     app.add_exception_handler(CallNotFoundError, answer(404))
-    for conflict in (AmbiguousCallError, NotResolvableError, TransitionError, FencedError):
+    for conflict in (
+        AmbiguousCallError,
+        NotResolvableError,
+        NotAwaitingApprovalError,
+        TransitionError,
+        FencedError,
+    ):
         app.add_exception_handler(conflict, answer(409))
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(SQLAlchemyError, _database_error)

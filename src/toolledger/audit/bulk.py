@@ -40,6 +40,7 @@ MAX_CALLS = 10_000
 # What happened to each call, besides the ResolveAction values a resolution reports.
 WOULD_RESOLVE = "would_resolve"
 WOULD_VERIFY = "would_ask_verify_hook"
+WOULD_SKIP_NO_HOOK = "would_skip_verify_hook_unavailable"
 SETTLED_BY_HOOK = "settled_by_verify_hook"
 SKIPPED_NO_HOOK = "skipped_verify_hook_unavailable"
 SKIPPED_CONTRADICTED = "skipped_hook_says_not_executed"
@@ -69,12 +70,20 @@ Progress = Callable[[int, int, BulkItem], None]
 """Told after each call: how many are done, of how many, and what the last one came to."""
 
 
+MAX_RATE = 1000.0
+NO_HOOK_HINT = "verified: give --tools so its hook can be asked first"
+"""Why a verified call is skipped, told where the tools are given: the CLI's flag."""
+
+
 class BulkResolver:
-    def __init__(self, service: AuditService, *, rate: float = DEFAULT_RATE) -> None:
-        if not 0 < rate <= 1000:
-            raise QueryError("rate must be more than 0 and at most 1000 calls per second")
+    def __init__(
+        self, service: AuditService, *, rate: float = DEFAULT_RATE, no_hook_hint: str = NO_HOOK_HINT
+    ) -> None:
+        if not 0 < rate <= MAX_RATE:
+            raise QueryError(f"rate must be more than 0 and at most {MAX_RATE:g} calls per second")
         self.service = service
         self.rate = rate
+        self.no_hook_hint = no_hook_hint
 
     async def matching(self, query: CallQuery) -> list[CallRecord]:
         """The unknown calls the filter selects (a status filter may only say unknown)."""
@@ -95,7 +104,20 @@ class BulkResolver:
         dry_run: bool = False,
         progress: Progress | None = None,
     ) -> BulkReport:
-        calls = await self.matching(query)
+        return await self.resolve_calls(
+            await self.matching(query), resolution, dry_run=dry_run, progress=progress
+        )
+
+    async def resolve_calls(
+        self,
+        calls: list[CallRecord],
+        resolution: Resolution,
+        *,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+    ) -> BulkReport:
+        """``resolve`` over calls already selected by ``matching`` (whoever first looked at how
+        many there are, and how long they take, need not read them twice)."""
         report = BulkReport(run_id=uuid.uuid4().hex[:12], dry_run=dry_run, matched=len(calls))
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -112,6 +134,9 @@ class BulkResolver:
     def _planned(self, call: CallRecord) -> BulkItem:
         view = call_view(call, self.service.redactor)
         if call.effect_class is EffectClass.VERIFIED:
+            # What the run would really do: without the tools here, the hook cannot be asked.
+            if not self.service.has_verify_hook(call):
+                return BulkItem(view, WOULD_SKIP_NO_HOOK, self.no_hook_hint)
             return BulkItem(view, WOULD_VERIFY, "its verify hook is asked first")
         return BulkItem(view, WOULD_RESOLVE)
 
@@ -127,9 +152,7 @@ class BulkResolver:
             verified = await self.service.ask_verify_hook(call, tagged)
             if verified is None:
                 view = call_view(call, self.service.redactor)
-                return BulkItem(
-                    view, SKIPPED_NO_HOOK, "verified: give --tools so its hook can be asked first"
-                )
+                return BulkItem(view, SKIPPED_NO_HOOK, self.no_hook_hint)
             if verified.answer is VerifyAnswer.EXECUTED:
                 settled = await self.service.settle_verified(call, verified, tagged)
                 return BulkItem(settled.call, SETTLED_BY_HOOK, f"verify hook: it happened ({settled.action})")

@@ -286,6 +286,12 @@ class AuditService:
         latest = await self.find_one(CallReference(key=call.key))
         return ResolveReport(call_view(latest, self.redactor), action)
 
+    def has_verify_hook(self, call: CallRecord) -> bool:
+        """Whether this process can ask ``call``'s verify hook: it was given the tools (``--tools``,
+        or ``serve --api``) and the call's tool has one."""
+        tool = self.registry.get(call.tool_name) if self.registry is not None else None
+        return tool is not None and tool.verify is not None
+
     async def ask_verify_hook(self, call: CallRecord, resolution: Resolution) -> Verified | None:
         """A ``verified`` call's hook asked whether its run happened, on behalf of the operator
         behind ``resolution``; None when this process has no such tool (no ``--tools``)."""

@@ -1,7 +1,7 @@
 // The audit web view: lists calls through /api/calls (with their counts from /api/counts),
-// opens one call's timeline, resolves unknown calls, lists sessions. Every value from the
-// ledger is attacker-controlled text (tool arguments, outputs): it is only ever put on the
-// page with textContent, never parsed as HTML.
+// opens one call's timeline, resolves unknown calls (one, or all the filters select), approves
+// or denies calls awaiting approval, lists sessions. Every value from the ledger is attacker-controlled text (tool
+// arguments, outputs): it is only ever put on the page with textContent, never parsed as HTML.
 //
 // Where the view is lives in the URL: the filters in the query string, the open call or the
 // sessions page in the fragment (#call=ID, #sessions), so a link opens the same thing.
@@ -12,6 +12,16 @@ const FILTERS = [
   "session_id", "turn_id", "tool", "status", "outcome", "effect_class", "since", "until", "q", "sort", "limit",
 ];
 const COUNT_FILTERS = FILTERS.filter((name) => !["sort", "limit"].includes(name));
+const MASK = "[REDACTED]";
+// What a decision came to (the API's `action`), told to the person who made it.
+const DECISION_OUTCOMES = {
+  left_for_service: "`toolledger serve` runs it now, within a poll (this page shows when it is answered)",
+  ran: "it ran here and its result was submitted",
+  submitted: "the model has been told",
+  not_sent: "no Agents API is configured here: `toolledger serve` sends the answer",
+  submit_failed: "sending the answer failed for now: `toolledger serve` retries it",
+  abandoned: "the session no longer awaits it: abandoned",
+};
 
 const $ = (id) => document.getElementById(id);
 let pageCursors = [null];
@@ -61,6 +71,12 @@ function showError(error) {
   } else {
     box.textContent = error instanceof ApiError ? `The API said: ${error.message}` : String(error);
   }
+  box.hidden = false;
+}
+
+function showProblem(text) {
+  const box = $("error");
+  box.textContent = text;
   box.hidden = false;
 }
 
@@ -127,10 +143,15 @@ function between(start, end) {
   return (Date.parse(end) - Date.parse(start)) / 1000;
 }
 
+function until(value) {
+  const seconds = (Date.parse(value) - Date.now()) / 1000;
+  return seconds <= 0 ? "passed" : `in ${span(seconds)}`;
+}
+
 // How long a call took (to its result), or how long it has been waiting for one.
 function duration(call) {
   if (call.finished_at) return { text: `took ${span(between(call.started_at || call.created_at, call.finished_at))}` };
-  if (["pending", "running", "unknown"].includes(call.status)) {
+  if (["awaiting_approval", "pending", "running", "unknown"].includes(call.status)) {
     return { text: `waiting ${span((Date.now() - Date.parse(call.created_at)) / 1000)}`, waiting: true };
   }
   return { text: "" };
@@ -160,6 +181,7 @@ function renderRows(calls) {
     row.dataset.callId = call.id;
     row.dataset.status = call.status;
     if (call.needs_operator) row.classList.add("row-unknown");
+    if (call.needs_approval) row.classList.add("row-approval");
     if (call.id === openCallId) row.classList.add("selected");
     cell(row, ago(call.created_at), "time").title = shortTime(call.created_at);
     const id = cell(row, call.id.slice(0, 15), "id");
@@ -186,7 +208,11 @@ function renderCounts(counts) {
   total.textContent = `${counts.total} call(s)`;
   box.appendChild(total);
   const groups = [
-    ["status", counts.by_status, ["pending", "running", "unknown", "succeeded", "failed", "submitted", "abandoned"]],
+    [
+      "status",
+      counts.by_status,
+      ["awaiting_approval", "pending", "running", "unknown", "succeeded", "failed", "submitted", "abandoned"],
+    ],
     ["outcome", counts.by_outcome, ["succeeded", "failed", "none"]],
   ];
   for (const [filter, tally, order] of groups) {
@@ -300,6 +326,7 @@ function renderDetail(detail, { keepForm = false } = {}) {
     ["error stage", call.error_stage], ["error detail", call.error_detail],
     ["last submission error", call.last_submission_error], ["abandoned", call.abandoned_reason],
     ["lease owner", leaseText(call)],
+    ["approval decided by", call.approval_decided_by], ["approval decided", timed(call.approval_decided_at)],
   ];
   for (const [name, value] of shown) {
     if (value === null || value === undefined || value === "") continue;
@@ -312,6 +339,8 @@ function renderDetail(detail, { keepForm = false } = {}) {
   }
   $("detail-arguments").textContent = pretty(call.arguments);
   $("detail-result").textContent = pretty(call.result);
+  $("approved-box").hidden = call.approved_arguments === null || call.approved_arguments === undefined;
+  $("detail-approved-arguments").textContent = pretty(call.approved_arguments);
   const timeline = $("timeline-rows");
   timeline.replaceChildren();
   for (const event of detail.timeline) {
@@ -326,7 +355,28 @@ function renderDetail(detail, { keepForm = false } = {}) {
     timeline.appendChild(row);
   }
   $("resolve").hidden = !call.needs_operator;
-  if (!keepForm) $("resolve-result").textContent = "";
+  renderApproval(call);
+  if (!keepForm) {
+    $("resolve-result").textContent = "";
+    $("approval-result").textContent = "";
+  }
+}
+
+function deadlineText(call) {
+  if (!call.approval_expires_at) return "none: it waits until someone decides";
+  const when = until(call.approval_expires_at);
+  const answer = "the model is told it was not approved in time";
+  return `${shortTime(call.approval_expires_at)} (${when}): then ${answer}`;
+}
+
+// The form keeps the fingerprint of the arguments shown with it: a decision names exactly
+// those, so a page left open while something changed cannot approve arguments nobody saw.
+function renderApproval(call) {
+  const form = $("approval");
+  form.hidden = !call.needs_approval;
+  form.dataset.sha256 = call.arguments_sha256;
+  $("approval-sha256").textContent = call.arguments_sha256;
+  $("approval-deadline").textContent = call.needs_approval ? deadlineText(call) : "";
 }
 
 async function openCall(id, { quiet = false } = {}) {
@@ -377,6 +427,237 @@ async function resolveOpenCall(event) {
     await loadCalls({ page: currentPage });
   } catch (error) {
     showError(error);
+  }
+}
+
+// Amended arguments as typed: nothing (run as the model asked), or a JSON object. What the
+// page shows of the arguments is masked; a mask copied back would reach the handler as text.
+function amendedArguments(text) {
+  if (text.trim() === "") return { value: null };
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    return { problem: `The amended arguments are not JSON (${error.message}): nothing was sent.` };
+  }
+  if (value === null || typeof value !== "object" || Array.isArray(value)) {
+    return { problem: 'The amended arguments must be a JSON object, {"name": value, ...}: nothing was sent.' };
+  }
+  if (holdsMask(value)) {
+    return {
+      problem: `The amended arguments hold ${MASK}, a masked value the page showed: type the real ` +
+        "value, or leave the arguments empty to run the call as the model asked. Nothing was sent.",
+    };
+  }
+  return { value };
+}
+
+function holdsMask(value) {
+  if (value === MASK) return true;
+  if (value === null || typeof value !== "object") return false;
+  return Object.values(value).some(holdsMask);
+}
+
+async function decideOpenCall(verb) {
+  const form = $("approval");
+  if (!form.reportValidity()) return;
+  clearError();
+  const body = { reason: form.elements.reason.value.trim(), arguments_sha256: form.dataset.sha256 };
+  const amended = form.elements.arguments.value;
+  if (verb === "approve") {
+    const parsed = amendedArguments(amended);
+    if (parsed.problem) {
+      showProblem(parsed.problem);
+      form.elements.arguments.focus();
+      return;
+    }
+    if (parsed.value !== null) body.arguments = parsed.value;
+  } else if (amended.trim() !== "") {
+    showProblem("A denial takes no arguments: empty the amended arguments, or approve. Nothing was sent.");
+    return;
+  }
+  const operator = form.elements.operator.value.trim();
+  // As for a resolution: the name typed counts only without a token.
+  if (operator && !token()) {
+    body.operator = operator;
+    sessionStorage.setItem(OPERATOR_KEY, operator);
+  }
+  const id = openCallId;
+  const buttons = [$("approval-approve"), $("approval-deny")];
+  // One decision at a time: a second click would only be refused (409).
+  for (const button of buttons) button.disabled = true;
+  try {
+    const answer = await api(`/api/calls/${encodeURIComponent(id)}/${verb}`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    form.reset();
+    form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+    await openCall(id);
+    const outcome = DECISION_OUTCOMES[answer.action] || answer.action;
+    $("approval-result").textContent =
+      `${verb === "approve" ? "Approved" : "Denied"}: ${outcome}; the call is now ${answer.call.status}.`;
+    await loadCalls({ page: currentPage });
+  } catch (error) {
+    // Refused as decided already or as other arguments: the call is read again, so what the
+    // person looks at next (and decides on) is what the ledger holds now.
+    if (error instanceof ApiError && error.status === 409) await openCall(id, { quiet: true });
+    showError(error);
+  } finally {
+    for (const button of buttons) button.disabled = false;
+  }
+}
+
+// ------------------------------------------------------------ bulk resolution
+
+// What each of a bulk resolution's actions means, shown beside its count.
+const BULK_ACTIONS = {
+  would_resolve: "would be resolved as you say",
+  would_ask_verify_hook: "verified: its hook would be asked first, and what it finds wins",
+  would_skip_verify_hook_unavailable: "verified: would be skipped (the API cannot ask its hook)",
+  submitted: "resolved, and the model has been told",
+  not_sent: "resolved; no Agents API is configured here: `toolledger serve` sends the answer",
+  left_for_service: "re-opened: `toolledger serve` runs them again",
+  rerun: "ran again here and submitted",
+  submit_failed: "resolved; sending the answer failed for now: `toolledger serve` retries it",
+  abandoned: "resolved; the session no longer awaits them",
+  settled_by_verify_hook: "its verify hook found it happened: its true outcome was submitted",
+  skipped_verify_hook_unavailable: "verified: skipped, the API cannot ask its hook",
+  skipped_hook_says_not_executed: "skipped: its verify hook says it did not happen",
+  skipped_no_longer_unknown: "skipped: settled by someone else meanwhile",
+};
+const BULK_LISTED = 100;
+// The dry run that was shown: confirming resolves exactly that request, with no more calls
+// than it counted; anything changed since (the filters, the resolution) needs a new dry run.
+let bulkPlan = null;
+
+function bulkRequest() {
+  const form = $("bulk-form");
+  const kind = form.elements.kind.value;
+  const rate = form.elements.rate.value.trim();
+  const body = { kind, reason: form.elements.reason.value.trim(), rate: rate === "" ? 5 : Number(rate) };
+  if (kind !== "rerun") body.text = form.elements.text.value;
+  const operator = form.elements.operator.value.trim();
+  // As for one resolution: the name typed counts only without a token.
+  if (operator && !token()) body.operator = operator;
+  return { params: filterParams(COUNT_FILTERS).toString(), body };
+}
+
+function forgetBulkPlan() {
+  bulkPlan = null;
+  $("bulk-confirm").hidden = true;
+}
+
+async function postBulk(request, extra) {
+  return api(`/api/bulk/resolve?${request.params}`, {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ ...request.body, ...extra }),
+  });
+}
+
+function renderBulkSummary(answer, headline) {
+  const box = $("bulk-summary");
+  box.replaceChildren();
+  const head = document.createElement("p");
+  head.dataset.testid = "bulk-headline";
+  head.textContent = headline;
+  box.appendChild(head);
+  const counts = document.createElement("ul");
+  counts.dataset.testid = "bulk-counts";
+  for (const [action, number] of Object.entries(answer.counts).sort()) {
+    const item = document.createElement("li");
+    item.dataset.testid = `bulk-count-${action}`;
+    const meaning = BULK_ACTIONS[action];
+    item.textContent = `${action}: ${number}${meaning ? ` (${meaning})` : ""}`;
+    counts.appendChild(item);
+  }
+  box.appendChild(counts);
+  if (answer.calls.length === 0) return;
+  const table = document.createElement("table");
+  table.className = "calls";
+  const header = document.createElement("tr");
+  for (const name of ["Session", "Call", "Tool", "Action", "Note"]) {
+    const th = document.createElement("th");
+    th.textContent = name;
+    header.appendChild(th);
+  }
+  table.createTHead().appendChild(header);
+  const body = document.createElement("tbody");
+  body.dataset.testid = "bulk-calls";
+  for (const item of answer.calls.slice(0, BULK_LISTED)) {
+    const row = document.createElement("tr");
+    row.dataset.callId = item.call.id;
+    cell(row, item.call.session_id, "id");
+    cell(row, item.call.call_id, "id");
+    cell(row, item.call.tool_name);
+    cell(row, item.action);
+    cell(row, item.note, "reason");
+    body.appendChild(row);
+  }
+  table.appendChild(body);
+  box.appendChild(table);
+  if (answer.calls.length > BULK_LISTED) {
+    const more = document.createElement("p");
+    more.className = "muted";
+    more.textContent = `and ${answer.calls.length - BULK_LISTED} more`;
+    box.appendChild(more);
+  }
+}
+
+async function bulkDryRun(event) {
+  event.preventDefault();
+  clearError();
+  forgetBulkPlan();
+  $("bulk-summary").replaceChildren();
+  const request = bulkRequest();
+  if (request.body.operator) sessionStorage.setItem(OPERATOR_KEY, request.body.operator);
+  try {
+    const answer = await postBulk(request, { dry_run: true });
+    const time = answer.matched ? `; about ${span(answer.estimated_seconds)} at ${request.body.rate} per second` : "";
+    renderBulkSummary(
+      answer,
+      `Dry run: ${answer.matched} unknown call(s) match these filters${time}. Nothing has changed.`,
+    );
+    if (answer.matched > 0) {
+      bulkPlan = { ...request, matched: answer.matched };
+      const confirm = $("bulk-confirm");
+      confirm.textContent = `Resolve these ${answer.matched} call(s) by ${request.body.kind}`;
+      confirm.hidden = false;
+    }
+  } catch (error) {
+    showError(error);
+  }
+}
+
+async function bulkConfirm() {
+  clearError();
+  const request = bulkRequest();
+  const plan = bulkPlan;
+  if (!plan || request.params !== plan.params || JSON.stringify(request.body) !== JSON.stringify(plan.body)) {
+    forgetBulkPlan();
+    showProblem("The filters or the resolution changed since the dry run: run the dry run again. Nothing was resolved.");
+    return;
+  }
+  const buttons = [$("bulk-confirm"), document.querySelector("[data-testid=bulk-dry-run]")];
+  for (const button of buttons) button.disabled = true;
+  const head = document.createElement("p");
+  head.textContent = `Resolving ${plan.matched} call(s) at ${plan.body.rate} per second ` +
+    `(about ${span(plan.matched / plan.body.rate)}): keep this page open.`;
+  $("bulk-summary").replaceChildren(head);
+  try {
+    // max_calls: calls recorded since the dry run are not resolved unseen (the API says 409).
+    const answer = await postBulk(request, { dry_run: false, max_calls: plan.matched });
+    forgetBulkPlan();
+    renderBulkSummary(answer, `Done (bulk ${answer.run_id}): ${answer.matched} call(s) matched.`);
+    await loadCalls({ page: currentPage });
+  } catch (error) {
+    forgetBulkPlan();
+    $("bulk-summary").replaceChildren();
+    showError(error);
+  } finally {
+    for (const button of buttons) button.disabled = false;
   }
 }
 
@@ -463,24 +744,31 @@ function scheduleRefresh() {
   }
 }
 
+// With a token, its name is the operator: the name fields are for a token-less API only.
+function showOperatorFields() {
+  for (const label of document.querySelectorAll(".operator-label")) label.hidden = Boolean(token());
+}
+
 function init() {
   restoreFilters();
-  $("resolve").elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+  for (const form of [$("resolve"), $("approval"), $("bulk-form")]) {
+    form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
+  }
   $("token-form").addEventListener("submit", (event) => {
     event.preventDefault();
     sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
     $("token").value = "";
-    $("operator-label").hidden = Boolean(token());
+    showOperatorFields();
     route();
   });
   $("token-forget").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
-    $("operator-label").hidden = false;
+    showOperatorFields();
     $("rows").replaceChildren();
     $("counts").replaceChildren();
     $("detail").hidden = true;
   });
-  $("operator-label").hidden = Boolean(token());
+  showOperatorFields();
   $("filters").addEventListener("submit", (event) => {
     event.preventDefault();
     loadCalls();
@@ -489,8 +777,19 @@ function init() {
   $("previous").addEventListener("click", () => loadCalls({ page: Number($("previous").dataset.page) }));
   $("detail-close").addEventListener("click", closeCall);
   $("resolve").addEventListener("submit", resolveOpenCall);
+  // Each decision is a button of its own; Enter in a field decides nothing (it would approve).
+  $("approval").addEventListener("submit", (event) => event.preventDefault());
+  $("approval-approve").addEventListener("click", () => decideOpenCall("approve"));
+  $("approval-deny").addEventListener("click", () => decideOpenCall("deny"));
   $("resolve").elements.kind.addEventListener("change", (event) => {
     $("resolve").elements.text.disabled = event.target.value === "rerun";
+  });
+  $("bulk-form").addEventListener("submit", bulkDryRun);
+  $("bulk-confirm").addEventListener("click", bulkConfirm);
+  // A changed filter or resolution is not what the dry run showed.
+  for (const form of [$("bulk-form"), $("filters")]) form.addEventListener("input", forgetBulkPlan);
+  $("bulk-form").elements.kind.addEventListener("change", (event) => {
+    $("bulk-form").elements.text.disabled = event.target.value === "rerun";
   });
   $("auto-refresh").addEventListener("change", scheduleRefresh);
   $("refresh-every").addEventListener("change", scheduleRefresh);
