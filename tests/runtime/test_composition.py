@@ -123,8 +123,9 @@ BUILDERS = frozenset(
 ALLOWED = {"runtime/composition.py"}
 """The composition root. Besides it, the store and the gateway build their own parts (the
 engine factory, a migration's sync engine, the liveness lock's connection, the SDK client),
-and the emulator is a separate server."""
-SKIPPED = ("store/", "gateway/", "emulator/")
+the emulator is a separate server, and the conformance kit (``toolledger.testing``) builds
+throwaway ledgers of its own for each run."""
+SKIPPED = ("store/", "gateway/", "emulator/", "testing/")
 
 
 def test_only_the_composition_root_builds_engines_gateways_and_stores() -> None:
