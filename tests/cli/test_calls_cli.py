@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import hashlib
 import io
 import json
 import sqlite3
@@ -244,8 +245,16 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     rows = ledger.rows()
     as_listed = listed(ledger.url)
 
-    exported = [json.loads(line) for line in ok(ledger.url, "export").stdout.splitlines()]
+    *lines, digest_line = ok(ledger.url, "export").stdout.splitlines(keepends=True)
+    exported = [json.loads(line) for line in lines]
+    heads = [(call.pop("trail_events"), call.pop("trail_sha256")) for call in exported]
     assert exported == as_listed
+    assert all(events >= 1 and len(head) == 64 for events, head in heads)
+    assert json.loads(digest_line) == {
+        "export_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
+        "calls": len(rows),
+        "trail_format": "toolledger-trail-v1",
+    }
 
     target = tmp_path / "calls.csv"
     result = ok(ledger.url, "export", "--format", "csv", "--output", str(target), "--progress")
@@ -255,8 +264,10 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     with target.open(encoding="utf-8", newline="") as file:
         reader = csv.DictReader(file)
         assert reader.fieldnames == CSV_COLUMNS
-        records = list(reader)
+        *records, digest_row = list(reader)
+    assert digest_row["id"].startswith("# toolledger export: export_sha256=")
     assert len(records) == len(rows)
+    assert [(int(r["trail_events"]), r["trail_sha256"]) for r in records] == heads
     assert [r["id"] for r in records] == ids(as_listed)
     for record, view in zip(records, as_listed, strict=True):
         for column in ("session_id", "turn_id", "call_id", "tool_name", "status", "effect_class"):
@@ -267,7 +278,7 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
             assert json.loads(record["result"]) == view["result"]
 
     filtered = ok(ledger.url, "export", "--format", "csv", "--tool", "lookup_order", "--sort", "tool").stdout
-    records = list(csv.DictReader(io.StringIO(filtered, newline="")))
+    records = list(csv.DictReader(io.StringIO(filtered, newline="")))[:-1]
     assert {r["id"] for r in records} == {r.idempotency_key for r in rows if r.tool_name == "lookup_order"}
 
     refused = tmp_path / "refused.csv"
