@@ -164,6 +164,18 @@ def test_check_trail__a_forged_event_with_any_hashes__is_named_as_inserted() -> 
     assert (found.kind, found.event_id) == (BreakKind.INSERTED, 25)
 
 
+def test_check_trail__a_forged_event_appended_as_a_branch__is_named_not_the_events_it_skips() -> None:
+    events = chained(LIFE)
+    forged = dataclasses.replace(events[0], id=60, kind="flag", to_status=None, prev_sha256=events[0].sha256)
+    forged = dataclasses.replace(forged, sha256=event_sha256(event_values(forged, events[0].sha256)))
+
+    found = check_trail([*events, forged], "submitted")
+
+    assert found is not None
+    assert (found.kind, found.event_id) == (BreakKind.INSERTED, 60)
+    assert "chains from event 10, not from event 50: inserted at the end of the trail" in found.message
+
+
 def test_check_trail__two_events_swapped__is_named_as_reordered() -> None:
     events = chained(LIFE)
     second, third = events[1], events[2]

@@ -260,12 +260,22 @@ def _misplaced(events: Sequence[CallEvent], index: int, expected: str) -> TrailB
             f"{before} (event {events[resumes].id} chains from {before})",
         )
     if chained_from is not None and chained_from < index - 1:
-        stray = events[chained_from + 1 : index]
+        # Event ``index`` chains from an earlier one: two branches leave it. The shorter one
+        # is taken for the inserted events (the other explanation is said too).
+        skipped, rest = events[chained_from + 1 : index], events[index:]
         follows = f"event {events[chained_from].id}" if chained_from >= 0 else "the start of the trail"
+        if len(rest) < len(skipped):
+            return TrailBreak(
+                BreakKind.INSERTED,
+                event.id,
+                f"{_listed(rest)} {'chains' if len(rest) == 1 else 'chain'} from {follows}, not from "
+                f"{before}: inserted at the end of the trail as a second branch (or "
+                f"{_listed(skipped)} were)",
+            )
         return TrailBreak(
             BreakKind.INSERTED,
-            stray[0].id,
-            f"{_listed(stray)} {'is' if len(stray) == 1 else 'are'} not in the chain: inserted after "
+            skipped[0].id,
+            f"{_listed(skipped)} {'is' if len(skipped) == 1 else 'are'} not in the chain: inserted after "
             f"{follows} (event {event.id} chains from {follows})",
         )
     return TrailBreak(
