@@ -289,6 +289,30 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     assert "No such file or directory" in error_line(unwritable)
 
 
+def test_verify_trail__a_ledger_written_by_serve__batched_and_killed_once__every_trail_intact(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """The fill ran `serve` (writes batched, the default) and SIGKILLed one inside a handler:
+    every event it and the recovery wrote chains, on both databases."""
+    rows = ledger.rows()
+    events = ledger.events()
+
+    whole = ok(ledger.url, "verify-trail", "--all")
+    session = ok(ledger.url, "verify-trail", "--session", ledger.filled.session_ids[0])
+    killed = ok(ledger.url, "verify-trail", str(ledger.filled.unknown))
+
+    assert whole.stdout.splitlines()[-1] == (
+        f"trail intact: {len(rows)} call(s), {len(events)} event(s) recomputed (the whole ledger)"
+    )
+    assert session.stdout.startswith("trail intact: 5 call(s), ")
+    assert killed.stdout.startswith("trail intact: 1 call(s), ")
+
+    export = tmp_path / "calls.csv"
+    ok(ledger.url, "export", "--format", "csv", "--output", str(export))
+    anchored = ok(ledger.url, "verify-trail", "--export", str(export))
+    assert anchored.stdout.startswith(f"export file whole: its {len(rows)} call(s) hash to its digest line")
+
+
 # ----------------------------------------------------------------------------- resolve
 
 
@@ -476,6 +500,8 @@ def test_prune__deletes_only_finished_calls_older_than_asked(ledger: Ledger, tmp
         assert [e.id for e in copy.events()] == [
             e.id for e in events_before if (e.session_id, e.turn_id, e.call_id) in still_open
         ]
+        # Whole calls go, with every event: no trail left is broken.
+        assert ok(url, "verify-trail", "--all").stdout.startswith(f"trail intact: {len(still_open)} call(s)")
     assert len(ledger.rows()) == len(before), "the shared ledger was not touched"
 
 
@@ -605,5 +631,5 @@ def test_unreachable_or_missing_database__one_line_and_no_traceback(tmp_path: Pa
 
 def test_calls_group__lists_its_commands() -> None:
     help_text = CliRunner().invoke(main, ["calls", "--help"]).stdout
-    for command in ("list", "show", "export", "resolve", "prune"):
+    for command in ("list", "show", "export", "verify-trail", "resolve", "prune"):
         assert command in help_text
