@@ -214,8 +214,12 @@ def test_show__each_kind_of_reference_prints_the_call_and_its_timeline(ledger: L
             assert changes[-1][1] == "submitted"
             assert changes[1][1] in ("succeeded", "failed")
             assert [e["id"] for e in detail["timeline"]] == sorted(e["id"] for e in detail["timeline"])
+            links = [e["prev_sha256"] for e in detail["timeline"]]
+            assert links == ["0" * 64] + [e["sha256"] for e in detail["timeline"][:-1]], "one chain"
 
         table = ok(ledger.url, "show", key).stdout
+        head = ["trail", "head", detail["timeline"][-1]["sha256"]]
+        assert any(line.split() == head for line in table.splitlines()), table
         assert f"{row.session_id}/{row.turn_id}/{row.call_id}" in table
         assert "new → running" in table
         assert table.index("new → running") < table.index("→ submitted")

@@ -531,6 +531,8 @@ def _print_detail(detail: CallDetail) -> None:
         ("error", ": ".join(part for part in (call.error_stage, call.error_detail) if part) or None),
         ("abandoned", call.abandoned_reason),
         ("last submit error", call.last_submission_error),
+        # Its audit trail's chain head: `verify-trail` recomputes the chain up to it.
+        ("trail head", detail.timeline[-1].sha256 if detail.timeline else None),
         ("arguments", json.dumps(call.arguments, indent=2, ensure_ascii=False)),
         ("result", None if call.result is None else json.dumps(call.result, indent=2, ensure_ascii=False)),
     ]

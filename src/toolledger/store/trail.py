@@ -1,8 +1,9 @@
 """Reads of the audit trail's hash chain: every call's events with its status (what
 ``domain.trail.check_trail`` verifies), and each call's chain head (what exports carry).
 
-Calls are read in key order a page at a time, and the events of a page in one range scan of
-``ix_tool_call_events_call``: verifying the whole ledger keeps memory flat at any size.
+Calls are read in key order a page at a time, each page with its events by one statement (one
+snapshot; the events through ``ix_tool_call_events_call``): verifying the whole ledger keeps
+memory flat at any size, and sees a call that changes meanwhile whole, before or after.
 """
 
 from __future__ import annotations
@@ -48,44 +49,52 @@ class TrailStore:
         """Every call of ``scope`` with its events, in key order, ``batch`` calls per read."""
         after: tuple[str, str, str] | None = None
         while True:
-            calls = select(*_CALL_KEY, tool_calls.c.status).where(*_in_scope(scope))
+            page = select(*_CALL_KEY, tool_calls.c.status).where(*_in_scope(scope))
             if after is not None:
-                calls = calls.where(tuple_(*_CALL_KEY) > tuple_(*after))
-            async with self.engine.connect() as conn:
-                page = list(await conn.execute(calls.order_by(*_CALL_KEY).limit(batch)))
-                if not page:
-                    return
-                first, last = tuple(page[0][:3]), tuple(page[-1][:3])
-                rows = await conn.execute(_events_between(first, last, scope))
-                events: dict[tuple[str, str, str], list[CallEvent]] = {}
-                for row in rows:
-                    events.setdefault((row.session_id, row.turn_id, row.call_id), []).append(call_event(row))
-            for session_id, turn_id, call_id, status in page:
-                key = (session_id, turn_id, call_id)
-                yield CallTrail(CallKey(*key), status, events.get(key, []))
-            if len(page) < batch:
+                page = page.where(tuple_(*_CALL_KEY) > tuple_(*after))
+            trails = await self._read(page.order_by(*_CALL_KEY).limit(batch))
+            for trail in trails:
+                yield trail
+            if len(trails) < batch:
                 return
-            after = (last[0], last[1], last[2])
+            last = trails[-1].key
+            after = (last.session_id, last.turn_id, last.call_id)
 
     async def trails_of(self, keys: Sequence[CallKey]) -> list[CallTrail]:
         """The calls of ``keys`` still in the ledger, each with its events."""
         if not keys:
             return []
-        wanted = [(k.session_id, k.turn_id, k.call_id) for k in keys]
+        wanted = tuple_(*_CALL_KEY).in_([(k.session_id, k.turn_id, k.call_id) for k in keys])
+        return await self._read(select(*_CALL_KEY, tool_calls.c.status).where(wanted))
+
+    async def _read(self, calls: Select[Any]) -> list[CallTrail]:
+        """The calls ``calls`` selects (key and status), each with its events, read by ONE
+        statement: one snapshot, so a call that changes meanwhile is seen with its status and
+        its events as they were together (two reads could pair a new event with an old status)."""
+        page = calls.subquery("page")
+        statement = (
+            select(
+                page.c.status.label("call_status"),
+                *(page.c[c.name].label(f"call_{c.name}") for c in _CALL_KEY),
+            )
+            .add_columns(*tool_call_events.c)
+            .select_from(
+                page.outerjoin(
+                    tool_call_events,
+                    and_(*(page.c[c.name] == e for c, e in zip(_CALL_KEY, _EVENT_KEY, strict=True))),
+                )
+            )
+            .order_by(*(page.c[c.name] for c in _CALL_KEY), tool_call_events.c.id)
+        )
+        trails: list[CallTrail] = []
         async with self.engine.connect() as conn:
-            calls = await conn.execute(
-                select(*_CALL_KEY, tool_calls.c.status).where(tuple_(*_CALL_KEY).in_(wanted))
-            )
-            statuses = {(s, t, c): status for s, t, c, status in calls}
-            rows = await conn.execute(
-                select(tool_call_events)
-                .where(tuple_(*_EVENT_KEY).in_(wanted))
-                .order_by(*_EVENT_KEY, tool_call_events.c.id)
-            )
-            events: dict[tuple[str, str, str], list[CallEvent]] = {}
-            for row in rows:
-                events.setdefault((row.session_id, row.turn_id, row.call_id), []).append(call_event(row))
-        return [CallTrail(CallKey(*key), status, events.get(key, [])) for key, status in statuses.items()]
+            for row in await conn.execute(statement):
+                key = CallKey(row.call_session_id, row.call_turn_id, row.call_call_id)
+                if not trails or trails[-1].key != key:
+                    trails.append(CallTrail(key, row.call_status, []))
+                if row.id is not None:
+                    trails[-1].events.append(call_event(row))
+        return trails
 
     async def heads(self, keys: Sequence[CallKey]) -> dict[CallKey, TrailHead]:
         """Each call's chain head as stored now: its events counted, and the hash of the last
@@ -119,16 +128,6 @@ def _in_scope(scope: TrailScope) -> list[Any]:
     if scope.session_id is not None:
         return [tool_calls.c.session_id == scope.session_id]
     return []
-
-
-def _events_between(first: tuple[Any, ...], last: tuple[Any, ...], scope: TrailScope) -> Select[Any]:
-    """The events of the calls from ``first`` to ``last`` (keys, inclusive), in key then id order."""
-    key = tuple_(*_EVENT_KEY)
-    where = [key >= tuple_(*first), key <= tuple_(*last)]
-    if scope.session_id is not None:
-        # The range already holds only this session's calls; said again for the planner.
-        where.append(tool_call_events.c.session_id == scope.session_id)
-    return select(tool_call_events).where(and_(*where)).order_by(*_EVENT_KEY, tool_call_events.c.id)
 
 
 def _key_values(key: CallKey) -> tuple[str, str, str]:
