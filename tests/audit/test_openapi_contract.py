@@ -91,8 +91,9 @@ CONFIG = schemathesis.Config.from_dict(
             {
                 # Times, durations, cursors, statuses and call references have grammars JSON
                 # Schema does not state: a value that parses as none of them is 400, as the
-                # document declares, schema-valid or not (the counts take the same filters).
-                "include-path-regex": "^/api/(calls|counts)",
+                # document declares, schema-valid or not (the counts and the export take the
+                # same filters; the trail takes a reference, and exactly one of its scopes).
+                "include-path-regex": "^/api/(calls|counts|export|trail)",
                 "checks": {
                     "positive_data_acceptance": {
                         "expected-statuses": ["2xx", "400", "401", "403", "404", "409"]

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from toolledger.domain.keys import CallKey
+from toolledger.domain.queries import QueryError
 from toolledger.domain.records import CallEvent
 from toolledger.domain.trail import (
     GENESIS_SHA256,
@@ -248,5 +249,8 @@ def test_trail_scope__one_call_or_one_session__never_both() -> None:
     assert str(TrailScope()) == "the whole ledger"
     assert str(TrailScope(session_id="s")) == "session s"
     assert str(TrailScope(key=KEY)) == "call sess_1/turn_1/call_1"
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(QueryError, match="not both"):
         TrailScope(key=KEY, session_id="s")
+    for unnamable in ("", "s\x00", "s" * 300):
+        with pytest.raises(QueryError, match="a session id is 1 to 255 characters"):
+            TrailScope(session_id=unnamable)

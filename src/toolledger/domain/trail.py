@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 
 from toolledger.domain.keys import CallKey
+from toolledger.domain.queries import MAX_FILTER_CHARS, QueryError
 from toolledger.domain.records import CallEvent
 
 TRAIL_FORMAT = "toolledger-trail-v1"
@@ -161,7 +162,10 @@ class TrailScope:
 
     def __post_init__(self) -> None:
         if self.key is not None and self.session_id is not None:
-            raise ValueError("a trail scope is one call or one session, not both")
+            raise QueryError("verify one call or one session, not both")
+        session = self.session_id
+        if session is not None and (not session or len(session) > MAX_FILTER_CHARS or "\x00" in session):
+            raise QueryError(f"a session id is 1 to {MAX_FILTER_CHARS} characters, without NUL")
 
     def __str__(self) -> str:
         if self.key is not None:
