@@ -7,9 +7,10 @@ Create Date: 2026-12-07 02:00:00
 The audit trail becomes tamper-evident: each event carries the hash of its call's previous
 event and its own (domain.trail), set by a trigger as it is inserted (store.chain). The
 events already in the ledger are chained here, call by call in id order, so an upgraded
-ledger verifies (`toolledger calls verify-trail --all`). That rewrites every event once: on a
-large ledger expect about a minute per million events, and PostgreSQL's table to take twice
-its size until autovacuum has passed.
+ledger verifies (`toolledger calls verify-trail --all`). That rewrites every event once,
+holding the events table's write lock: measured, 100,000 events in 15 s on PostgreSQL, 7-12 s
+on SQLite (a busy 2-CPU machine); PostgreSQL's table takes about twice its size until
+autovacuum has passed.
 """
 
 from __future__ import annotations
@@ -171,11 +172,6 @@ def _chain_existing_events() -> None:
     """Every event already stored, chained call by call in id order (the order the ledger
     wrote them in), a batch at a time: memory stays flat at any size."""
     bind = op.get_bind()
-    update = (
-        events.update()
-        .where(events.c.id == sa.bindparam("e_id"))
-        .values(prev_sha256=sa.bindparam("e_prev"), sha256=sa.bindparam("e_sha256"))
-    )
     previous: tuple[tuple[str, str, str], str] | None = None
     for rows in _batches(bind):
         links = []
@@ -184,9 +180,31 @@ def _chain_existing_events() -> None:
             prev = previous[1] if previous is not None and previous[0] == key else trail.GENESIS_SHA256
             values = {name: getattr(row, name) for name in trail.FIELDS if name != "prev_sha256"}
             sha256 = trail.event_sha256({**values, "prev_sha256": prev})
-            links.append({"e_id": row.id, "e_prev": prev, "e_sha256": sha256})
+            links.append((row.id, prev, sha256))
             previous = (key, sha256)
-        bind.execute(update, links)
+        _store(bind, links)
+
+
+def _store(bind: Any, links: list[tuple[int, str, str]]) -> None:
+    """A batch of links written: on PostgreSQL by one statement over arrays (row by row it is
+    several times slower), on SQLite row by row in the migration's transaction."""
+    if bind.dialect.name == "postgresql":
+        ids, prevs, hashes = (list(column) for column in zip(*links, strict=True))
+        bind.execute(
+            sa.text(
+                "UPDATE tool_call_events AS e SET prev_sha256 = v.prev, sha256 = v.sha256 "
+                "FROM unnest(CAST(:ids AS bigint[]), CAST(:prevs AS text[]), CAST(:hashes AS text[])) "
+                "AS v(id, prev, sha256) WHERE e.id = v.id"
+            ),
+            {"ids": ids, "prevs": prevs, "hashes": hashes},
+        )
+        return
+    update = (
+        events.update()
+        .where(events.c.id == sa.bindparam("e_id"))
+        .values(prev_sha256=sa.bindparam("e_prev"), sha256=sa.bindparam("e_sha256"))
+    )
+    bind.execute(update, [{"e_id": i, "e_prev": p, "e_sha256": h} for i, p, h in links])
 
 
 def _batches(bind: Any) -> Iterator[list[Any]]:
