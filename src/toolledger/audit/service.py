@@ -217,9 +217,6 @@ class AuditService:
             return scope
         return TrailScope()
 
-    async def count_trails(self, scope: TrailScope) -> int:
-        return await self.trails.count_calls(scope)
-
     async def check_trails(self, scope: TrailScope) -> AsyncIterator[TrailCheck]:
         """Each call of ``scope``, its trail recomputed: its first broken link, if any."""
         async for trail in self.trails.trails(scope):
