@@ -99,9 +99,10 @@ CONFIG = schemathesis.Config.from_dict(
             {
                 # Times, durations, cursors, statuses and call references have grammars JSON
                 # Schema does not state: a value that parses as none of them is 400, as the
-                # document declares, schema-valid or not (the counts and a bulk resolution take the
-                # same filters; a bulk resolution also refuses a run over its time limit).
-                "include-path-regex": "^/api/(calls|counts|bulk)",
+                # document declares, schema-valid or not (the counts, the export and a bulk
+                # resolution take the same filters; a bulk resolution also refuses a run over its
+                # time limit; the trail takes a reference, and exactly one of its scopes).
+                "include-path-regex": "^/api/(calls|counts|export|trail|bulk)",
                 "checks": {
                     "positive_data_acceptance": {
                         "expected-statuses": ["2xx", "400", "401", "403", "404", "409"]

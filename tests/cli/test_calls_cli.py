@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import hashlib
 import io
 import json
 import sqlite3
@@ -213,8 +214,12 @@ def test_show__each_kind_of_reference_prints_the_call_and_its_timeline(ledger: L
             assert changes[-1][1] == "submitted"
             assert changes[1][1] in ("succeeded", "failed")
             assert [e["id"] for e in detail["timeline"]] == sorted(e["id"] for e in detail["timeline"])
+            links = [e["prev_sha256"] for e in detail["timeline"]]
+            assert links == ["0" * 64] + [e["sha256"] for e in detail["timeline"][:-1]], "one chain"
 
         table = ok(ledger.url, "show", key).stdout
+        head = ["trail", "head", detail["timeline"][-1]["sha256"]]
+        assert any(line.split() == head for line in table.splitlines()), table
         assert f"{row.session_id}/{row.turn_id}/{row.call_id}" in table
         assert "new → running" in table
         assert table.index("new → running") < table.index("→ submitted")
@@ -244,8 +249,16 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     rows = ledger.rows()
     as_listed = listed(ledger.url)
 
-    exported = [json.loads(line) for line in ok(ledger.url, "export").stdout.splitlines()]
+    *lines, digest_line = ok(ledger.url, "export").stdout.splitlines(keepends=True)
+    exported = [json.loads(line) for line in lines]
+    heads = [(call.pop("trail_events"), call.pop("trail_sha256")) for call in exported]
     assert exported == as_listed
+    assert all(events >= 1 and len(head) == 64 for events, head in heads)
+    assert json.loads(digest_line) == {
+        "export_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
+        "calls": len(rows),
+        "trail_format": "toolledger-trail-v1",
+    }
 
     target = tmp_path / "calls.csv"
     result = ok(ledger.url, "export", "--format", "csv", "--output", str(target), "--progress")
@@ -255,8 +268,10 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     with target.open(encoding="utf-8", newline="") as file:
         reader = csv.DictReader(file)
         assert reader.fieldnames == CSV_COLUMNS
-        records = list(reader)
+        *records, digest_row = list(reader)
+    assert digest_row["id"].startswith("# toolledger export: export_sha256=")
     assert len(records) == len(rows)
+    assert [(int(r["trail_events"]), r["trail_sha256"]) for r in records] == heads
     assert [r["id"] for r in records] == ids(as_listed)
     for record, view in zip(records, as_listed, strict=True):
         for column in ("session_id", "turn_id", "call_id", "tool_name", "status", "effect_class"):
@@ -267,7 +282,7 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
             assert json.loads(record["result"]) == view["result"]
 
     filtered = ok(ledger.url, "export", "--format", "csv", "--tool", "lookup_order", "--sort", "tool").stdout
-    records = list(csv.DictReader(io.StringIO(filtered, newline="")))
+    records = list(csv.DictReader(io.StringIO(filtered, newline="")))[:-1]
     assert {r["id"] for r in records} == {r.idempotency_key for r in rows if r.tool_name == "lookup_order"}
 
     refused = tmp_path / "refused.csv"
@@ -276,6 +291,30 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     unwritable = cli(ledger.url, "export", "--output", str(tmp_path / "no" / "such" / "dir.csv"))
     assert unwritable.exit_code == 1
     assert "No such file or directory" in error_line(unwritable)
+
+
+def test_verify_trail__a_ledger_written_by_serve__batched_and_killed_once__every_trail_intact(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """The fill ran `serve` (writes batched, the default) and SIGKILLed one inside a handler:
+    every event it and the recovery wrote chains, on both databases."""
+    rows = ledger.rows()
+    events = ledger.events()
+
+    whole = ok(ledger.url, "verify-trail", "--all")
+    session = ok(ledger.url, "verify-trail", "--session", ledger.filled.session_ids[0])
+    killed = ok(ledger.url, "verify-trail", str(ledger.filled.unknown))
+
+    assert whole.stdout.splitlines()[-1] == (
+        f"trail intact: {len(rows)} call(s), {len(events)} event(s) recomputed (the whole ledger)"
+    )
+    assert session.stdout.startswith("trail intact: 5 call(s), ")
+    assert killed.stdout.startswith("trail intact: 1 call(s), ")
+
+    export = tmp_path / "calls.csv"
+    ok(ledger.url, "export", "--format", "csv", "--output", str(export))
+    anchored = ok(ledger.url, "verify-trail", "--export", str(export))
+    assert anchored.stdout.startswith(f"export file whole: its {len(rows)} call(s) hash to its digest line")
 
 
 # ----------------------------------------------------------------------------- resolve
@@ -465,6 +504,8 @@ def test_prune__deletes_only_finished_calls_older_than_asked(ledger: Ledger, tmp
         assert [e.id for e in copy.events()] == [
             e.id for e in events_before if (e.session_id, e.turn_id, e.call_id) in still_open
         ]
+        # Whole calls go, with every event: no trail left is broken.
+        assert ok(url, "verify-trail", "--all").stdout.startswith(f"trail intact: {len(still_open)} call(s)")
     assert len(ledger.rows()) == len(before), "the shared ledger was not touched"
 
 
@@ -594,5 +635,5 @@ def test_unreachable_or_missing_database__one_line_and_no_traceback(tmp_path: Pa
 
 def test_calls_group__lists_its_commands() -> None:
     help_text = CliRunner().invoke(main, ["calls", "--help"]).stdout
-    for command in ("list", "show", "export", "resolve", "prune"):
+    for command in ("list", "show", "export", "verify-trail", "resolve", "prune"):
         assert command in help_text

@@ -26,6 +26,7 @@ from tests.support.paths import ROOT
 from toolledger import crashpoints as cp
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus
+from toolledger.domain.trail import check_trail
 from toolledger.emulator import EmulatorServer
 from toolledger.store.engine import create_engine
 
@@ -170,6 +171,7 @@ async def test_sigkill_at_crash_point__recovery_keeps_the_guarantees(
     tokens = [e.lease_token or 0 for e in events if e.to_status == "running"]
     assert tokens == sorted(set(tokens)), "every claim took a new lease token"
     assert [e.id for e in events] == sorted(e.id for e in events)
+    assert check_trail(events, call.status.value) is None, "the crash and the recovery kept one chain"
 
 
 async def test_maybe_executed__a_worker_that_stored_the_doubt_leaves_it_to_the_next_untouched(

@@ -74,3 +74,6 @@ async def test_serve__sigkilled_at_crash_point_then_restarted__nothing_lost_noth
         states = await wait_quiescent(emulator, database_url, session_ids)
 
     await assert_history(emulator, database_url, session_ids, states, effects_file)
+    trail = run_cli("calls", "verify-trail", "--all", database_url=database_url)
+    assert trail.returncode == 0, trail.stdout + trail.stderr
+    assert trail.stdout.startswith("trail intact: ")

@@ -37,7 +37,7 @@ from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request
 from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from toolledger.audit import bulk
 from toolledger.audit.auth import Principal, Reader, TokenRing, Writer, ensure_safe_exposure, metrics_reader
 from toolledger.audit.docs import DOCS_PATHS, DOCS_POLICY, add_docs_routes
+from toolledger.audit.exports import ExportWriter
 from toolledger.audit.service import (
     MAX_OPERATOR_CHARS,
     MAX_REASON_CHARS,
@@ -63,6 +64,7 @@ from toolledger.audit.service import (
     ResolutionKind,
     ResolveAction,
 )
+from toolledger.audit.trail import TrailReport
 from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, SessionView
 from toolledger.domain.queries import (
     DEFAULT_PAGE,
@@ -498,6 +500,14 @@ def _add_routes(app: FastAPI) -> None:
             "Resolve every unknown call the filters select, one by one, at a bounded rate",
             (409, 413),
         ),
+        (
+            "GET",
+            "/api/trail",
+            verify_trail,
+            TrailReport,
+            "Recompute the audit trail's hash chains: one call, a session's calls, or every call",
+            (404, 409),
+        ),
         ("GET", "/api/sessions", list_sessions, list[SessionView], "Sessions, newest first", ()),
         (
             "GET",
@@ -536,6 +546,24 @@ def _add_routes(app: FastAPI) -> None:
             responses=_errors(*sorted({*_EVERY_API_ROUTE, *errors})),
             dependencies=[Depends(_each_given_once)],
         )
+    app.add_api_route(
+        "/api/export",
+        export_calls,
+        methods=["GET"],
+        response_class=StreamingResponse,
+        summary="Export the calls the filters match, each with its trail's chain head",
+        description="JSON lines or CSV (a header first), streamed, as `toolledger calls export` writes "
+        "them: the last line is the digest of every byte before it (docs/audit-trail.md). A "
+        "stream cut short has no digest line.",
+        responses={
+            200: {
+                "content": {media: {"schema": {"type": "string"}} for media in EXPORT_MEDIA_TYPES.values()},
+                "description": "The export.",
+            },
+            **_errors(*_EVERY_API_ROUTE),
+        },
+        dependencies=[Depends(_each_given_once)],
+    )
     app.add_api_route(
         "/healthz",
         healthz,
@@ -826,6 +854,78 @@ async def show_call(ref: _Reference, _principal: Reader, audit: Audit) -> CallDe
         # swallows slashes): it is that action asked with the wrong method, not a reference.
         raise HTTPException(405, f"{action} takes POST", headers={"Allow": "POST"})
     return await audit.show(ref)
+
+
+EXPORT_MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv; charset=utf-8"}
+
+
+async def export_calls(
+    _principal: Reader,
+    audit: Audit,
+    filters: CallFilters,
+    export_format: Annotated[
+        Literal["jsonl", "csv"], Query(alias="format", description="jsonl or csv.")
+    ] = "jsonl",
+    sort: Annotated[
+        str, Query(description="created, finished, tool or status; '-' descends.", max_length=10)
+    ] = "-created",
+) -> StreamingResponse:
+    sort_key, descending = parse_sort(sort)
+    query = None if filters is None else replace(filters, sort=sort_key, descending=descending)
+
+    async def lines() -> AsyncIterator[bytes]:
+        if query is None:
+            # Filters that contradict each other match nothing: an export of no call.
+            writer = ExportWriter(export_format)
+            for line in (writer.header(), writer.digest()):
+                if line is not None:
+                    yield line.text.encode("utf-8")
+            return
+        async for line in audit.export(query, export_format):
+            yield line.text.encode("utf-8")
+
+    return StreamingResponse(
+        lines(),
+        media_type=EXPORT_MEDIA_TYPES[export_format],
+        headers={"Content-Disposition": f'attachment; filename="toolledger-calls.{export_format}"'},
+    )
+
+
+MAX_TRAIL_BREAKS = 1000
+
+
+async def verify_trail(
+    _principal: Reader,
+    audit: Audit,
+    call: Annotated[
+        str | None,
+        Query(
+            description="One call: its id (tl_..., or a unique prefix of it), its call id, or "
+            "SESSION/TURN/CALL.",
+            min_length=1,
+            max_length=MAX_REFERENCE_CHARS,
+            json_schema_extra={"pattern": NO_NUL},
+        ),
+    ] = None,
+    session_id: Annotated[str | None, _text_filter("Every call of this session.")] = None,
+    whole_ledger: Annotated[
+        bool,
+        Query(
+            alias="all",
+            description="Every call in the ledger (as long as `toolledger calls verify-trail --all`).",
+        ),
+    ] = False,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_TRAIL_BREAKS, description=f"Broken calls listed, 1 to {MAX_TRAIL_BREAKS}.")
+    ] = 100,
+) -> TrailReport:
+    """``intact`` false: some trail is broken; each broken call's first broken link is listed
+    (up to ``limit``). Exactly one of ``call``, ``session_id`` or ``all=true``."""
+    session_id = _blank_is_none(session_id)
+    if sum([call is not None, session_id is not None, whole_ledger]) != 1:
+        raise QueryError("give exactly one of call, session_id or all=true")
+    scope = await audit.trail_scope(call, session_id=session_id)
+    return await audit.verify_trail(scope, max_listed=limit)
 
 
 async def list_sessions(

@@ -7,18 +7,26 @@ name and reason, then submitted like any stored result.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from toolledger.audit.exports import (
+    CSV_COLUMNS,
+    FORMATS,
+    ExportedHead,
+    ExportLine,
+    ExportWriter,
+    exported_call,
+    read_export,
+)
+from toolledger.audit.trail import ExportReport, TrailCheck, TrailReport, tally
 from toolledger.audit.views import (
     CallCountsView,
     CallDetail,
@@ -43,8 +51,10 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus
 from toolledger.domain.submissions import SubmitOutcome
+from toolledger.domain.trail import TrailScope, check_anchor, check_trail
 from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.trail import TrailStore
 
 if TYPE_CHECKING:
     # The SDK (through the gateway, the executor and the registry) is needed to submit or re-run
@@ -56,6 +66,9 @@ if TYPE_CHECKING:
     from toolledger.runtime.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
+
+EXPORT_BATCH = 500
+"""Calls exported (or checked against an export) per read of their trails' heads."""
 
 MAX_OPERATOR_CHARS = 100
 MAX_REASON_CHARS = 2000
@@ -171,6 +184,7 @@ class AuditService:
         self.registry = registry
         self.store = runtime.audit_store()
         self.sessions = runtime.session_store()
+        self.trails = TrailStore(runtime.engine)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -198,17 +212,122 @@ class AuditService:
         async for call in self.store.iter_calls(query):
             yield call_view(call, self.redactor)
 
-    async def export(self, query: CallQuery, fmt: str) -> AsyncIterator[str]:
-        """Lines of JSON or CSV (header first), one call each, streamed in batches."""
-        if fmt not in ("jsonl", "csv"):
+    async def export(self, query: CallQuery, fmt: str, *, digest: bool = True) -> AsyncIterator[ExportLine]:
+        """Lines of JSON or CSV (header first), one call each with its trail's chain head,
+        streamed in batches; then, with ``digest``, the line that closes the export
+        (``audit.exports``)."""
+        if fmt not in FORMATS:
             raise QueryError(f"unknown export format {fmt!r}: choose jsonl or csv")
-        if fmt == "csv":
-            yield _csv_line(CSV_COLUMNS)
-        async for view in self.iter_calls(query):
-            if fmt == "jsonl":
-                yield view.model_dump_json() + "\n"
-            else:
-                yield _csv_line(_csv_row(view))
+        writer = ExportWriter(fmt)
+        header = writer.header()
+        if header is not None:
+            yield header
+        batch: list[CallRecord] = []
+        async for call in self.store.iter_calls(query, batch=EXPORT_BATCH):
+            batch.append(call)
+            if len(batch) == EXPORT_BATCH:
+                for line in await self._exported(writer, batch):
+                    yield line
+                batch = []
+        for line in await self._exported(writer, batch):
+            yield line
+        if digest:
+            yield writer.digest()
+
+    async def _exported(self, writer: ExportWriter, calls: list[CallRecord]) -> list[ExportLine]:
+        heads = await self.trails.heads([call.key for call in calls])
+        return [writer.call(exported_call(call_view(c, self.redactor), heads.get(c.key))) for c in calls]
+
+    # ------------------------------------------------------------------ trail
+
+    async def trail_scope(self, reference: str | None = None, *, session_id: str | None = None) -> TrailScope:
+        """The trails a verification covers: the call ``reference`` names, a session's calls,
+        or (neither) every call. A reference must name one call; a session, some call."""
+        if reference is not None and session_id is not None:
+            raise QueryError("verify one call or one session, not both")
+        if reference is not None:
+            return TrailScope(key=(await self.find_one(reference)).key)
+        if session_id is not None:
+            scope = TrailScope(session_id=session_id)
+            if await self.trails.count_calls(scope) == 0:
+                raise CallNotFoundError(f"no call of session {session_id!r} in the ledger")
+            return scope
+        return TrailScope()
+
+    async def check_trails(self, scope: TrailScope) -> AsyncIterator[TrailCheck]:
+        """Each call of ``scope``, its trail recomputed: its first broken link, if any."""
+        async for trail in self.trails.trails(scope):
+            yield TrailCheck(trail.key, len(trail.events), check_trail(trail.events, trail.status))
+
+    async def verify_trail(
+        self,
+        scope: TrailScope,
+        *,
+        max_listed: int | None = None,
+        on_check: Callable[[TrailCheck], None] | None = None,
+    ) -> TrailReport:
+        """Every trail of ``scope`` recomputed: the counts, and the first broken link of each
+        broken call (the first ``max_listed`` of them, if given)."""
+        report = TrailReport(scope=str(scope), intact=True, calls=0, events=0, broken=0, breaks=[])
+        async for check in self.check_trails(scope):
+            tally(report, check, max_listed)
+            if on_check is not None:
+                on_check(check)
+        return report
+
+    async def verify_export(
+        self,
+        path: Path,
+        *,
+        max_listed: int | None = None,
+        on_check: Callable[[TrailCheck], None] | None = None,
+    ) -> ExportReport:
+        """An export read back (``audit.exports``): is the file whole (its digest line), and
+        does every call's trail, recomputed, still begin with the head the export recorded?
+        A call no longer in the ledger (pruned since, or deleted) is listed apart."""
+        export = read_export(path)
+        report = ExportReport(
+            scope=f"the calls of {path.name}",
+            intact=export.whole,
+            calls=0,
+            events=0,
+            broken=0,
+            breaks=[],
+            file_whole=export.whole,
+            export_sha256=export.recorded.export_sha256,
+            computed_sha256=export.computed_sha256,
+            exported_calls=export.recorded.calls,
+            missing=[],
+        )
+        batch: list[ExportedHead] = []
+        for exported in export.heads():
+            batch.append(exported)
+            if len(batch) == EXPORT_BATCH:
+                await self._check_exported(batch, report, max_listed, on_check)
+                batch = []
+        await self._check_exported(batch, report, max_listed, on_check)
+        if report.calls + len(report.missing) != export.recorded.calls:
+            report.intact = report.file_whole = False
+        return report
+
+    async def _check_exported(
+        self,
+        batch: list[ExportedHead],
+        report: ExportReport,
+        max_listed: int | None,
+        on_check: Callable[[TrailCheck], None] | None,
+    ) -> None:
+        trails = {trail.key: trail for trail in await self.trails.trails_of([e.key for e in batch])}
+        for exported in batch:
+            trail = trails.get(exported.key)
+            if trail is None:
+                report.missing.append(str(exported.key))
+                continue
+            found = check_trail(trail.events, trail.status) or check_anchor(trail.events, exported.head)
+            check = TrailCheck(trail.key, len(trail.events), found)
+            tally(report, check, max_listed)
+            if on_check is not None:
+                on_check(check)
 
     async def show(self, reference: str | CallReference) -> CallDetail:
         call = await self.find_one(reference)
@@ -436,50 +555,6 @@ _RESOLVE_ACTIONS = {
     SubmitOutcome.NOT_SENT: ResolveAction.NOT_SENT,
 }
 
-CSV_COLUMNS = [
-    "id",
-    "session_id",
-    "turn_id",
-    "call_id",
-    "tool_name",
-    "effect_class",
-    "status",
-    "outcome",
-    "attempts",
-    "created_at",
-    "finished_at",
-    "submitted_at",
-    "confirmed_at",
-    "submissions",
-    "arguments",
-    "result",
-    "error_stage",
-    "error_detail",
-    "abandoned_reason",
-]
-
-
-def _csv_row(view: CallView) -> list[str]:
-    data = view.model_dump(mode="json")
-    row = []
-    for column in CSV_COLUMNS:
-        value = data[column]
-        if isinstance(value, dict | list):
-            value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-        row.append(_spreadsheet_safe("" if value is None else str(value)))
-    return row
-
-
-def _spreadsheet_safe(cell: str) -> str:
-    """A cell a spreadsheet would run as a formula (=, +, -, @) is quoted as text."""
-    return "'" + cell if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
-
-
-def _csv_line(cells: list[str]) -> str:
-    buffer = io.StringIO()
-    csv.writer(buffer, lineterminator="\n").writerow(cells)
-    return buffer.getvalue()
-
 
 def _named(ref: CallReference) -> str:
     if ref.key is not None:
@@ -488,6 +563,7 @@ def _named(ref: CallReference) -> str:
 
 
 __all__ = [
+    "CSV_COLUMNS",
     "AmbiguousCallError",
     "AuditService",
     "NotResolvableError",

@@ -74,6 +74,12 @@ class EventView(BaseModel):
     lease_token: int | None
     reason: str | None
     detail: str | None
+    prev_sha256: str | None = Field(
+        description="The hash of the call's event before this one (its trail's chain)."
+    )
+    sha256: str | None = Field(
+        description="This event's hash, over its stored fields (as written, before masking) and prev_sha256."
+    )
 
 
 class CallDetail(BaseModel):
@@ -174,6 +180,8 @@ def event_view(event: CallEvent, redactor: Redactor) -> EventView:
         # Written redacted already; masked again with today's configuration.
         reason=_text(event.reason, redactor),
         detail=_text(event.detail, redactor),
+        prev_sha256=event.prev_sha256,
+        sha256=event.sha256,
     )
 
 

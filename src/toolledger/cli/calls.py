@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
     from toolledger.audit.bulk import BulkItem, BulkReport
     from toolledger.audit.service import AuditService, Decision, Resolution, ResolveReport
+    from toolledger.audit.trail import TrailReport
     from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView
     from toolledger.domain.keys import CallKey
     from toolledger.domain.records import SessionRecord
@@ -549,6 +550,8 @@ def _print_detail(detail: CallDetail) -> None:
         ("last submit error", call.last_submission_error),
         ("approval until", _precise(call.approval_expires_at) if call.approval_expires_at else None),
         ("approval decided", decided),
+        # Its audit trail's chain head: `verify-trail` recomputes the chain up to it.
+        ("trail head", detail.timeline[-1].sha256 if detail.timeline else None),
         ("arguments", json.dumps(call.arguments, indent=2, ensure_ascii=False)),
         ("arguments sha256", call.arguments_sha256),
         (
@@ -598,32 +601,168 @@ def _print_detail(detail: CallDetail) -> None:
     help="Write to this file (default: standard output). It appears only once complete.",
 )
 @click.option("--progress", is_flag=True, help="Count exported calls on stderr (default: when a terminal).")
+@click.option(
+    "--no-digest",
+    is_flag=True,
+    help="Leave out the closing digest line (for tools that take only calls); the export can "
+    "then not be checked by `verify-trail --export`.",
+)
 @database_option
 def export_calls(
-    filters: Filters, fmt: str, output: Path | None, progress: bool, database_url: str | None
+    filters: Filters,
+    fmt: str,
+    output: Path | None,
+    progress: bool,
+    no_digest: bool,
+    database_url: str | None,
 ) -> None:
-    """Every matching call, streamed as JSON lines or CSV (secret fields masked)."""
+    """Every matching call, streamed as JSON lines or CSV (secret fields masked), each with
+    its audit trail's chain head (trail_events, trail_sha256); the last line is the digest of
+    every line before it. Check it later with `toolledger calls verify-trail --export FILE`."""
     query = filters.query()
     settings = settings_from(database_url=database_url)
     counter = ProgressLine("exported", enabled=progress or sys.stderr.isatty())
     with _sink(output) as sink:
-        written = execute(_export(settings, query, fmt, sink, counter))
+        written = execute(_export(settings, query, fmt, sink, counter, digest=not no_digest))
     counter.done(written)
 
 
 async def _export(
-    settings: Settings, query: CallQuery, fmt: str, sink: IO[str], counter: ProgressLine
+    settings: Settings, query: CallQuery, fmt: str, sink: IO[str], counter: ProgressLine, *, digest: bool
 ) -> int:
     written = 0
     async with audit_service(settings) as service:
-        lines = service.export(query, fmt)
-        if fmt == "csv":
-            sink.write(await anext(lines))
-        async for line in lines:
-            sink.write(line)
-            written += 1
-            counter.update(written)
+        async for line in service.export(query, fmt, digest=digest):
+            sink.write(line.text)
+            if line.is_call:
+                written += 1
+                counter.update(written)
     return written
+
+
+# ----------------------------------------------------------------- verify-trail
+
+
+@calls.command("verify-trail")
+@click.argument("reference", required=False)
+@click.option("--session", "session_id", default=None, help="Every call of this session.")
+@click.option("--all", "whole_ledger", is_flag=True, help="Every call in the ledger.")
+@click.option(
+    "--export",
+    "export_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The calls of an earlier `calls export` (jsonl or csv): the file must be whole, and each "
+    "call's trail must still begin with the chain head the export recorded.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Count verified calls on stderr (default: with --all or --export, on a terminal).",
+)
+@database_option
+def verify_trail(
+    reference: str | None,
+    session_id: str | None,
+    whole_ledger: bool,
+    export_file: Path | None,
+    as_json: bool,
+    progress: bool | None,
+    database_url: str | None,
+) -> None:
+    """Recompute the audit trail's hash chains and report the first broken link of each
+    broken call (an edited, deleted, inserted or reordered event). One call (REFERENCE: its
+    tl_ id, SESSION/TURN/CALL or its call id), --session ID, --all, or --export FILE. Exits 1
+    if any trail is broken (or the export file changed), 0 when all are intact."""
+    given = [reference is not None, session_id is not None, whole_ledger, export_file is not None]
+    if sum(given) != 1:
+        raise click.UsageError("give exactly one of REFERENCE, --session ID, --all or --export FILE")
+    _check_text(reference, "REFERENCE")
+    _check_text(session_id, "--session")
+    settings = settings_from(database_url=database_url)
+    wide = whole_ledger or export_file is not None
+    counter = ProgressLine(
+        "verified", enabled=progress if progress is not None else wide and sys.stderr.isatty()
+    )
+    report = execute(
+        _verify_trail(settings, reference, session_id, export_file, counter, listed_live=not as_json)
+    )
+    counter.done(report.calls)
+    if as_json:
+        click.echo(report.model_dump_json(indent=2))
+    else:
+        _print_trail_report(report)
+    if not report.intact:
+        click.get_current_context().exit(1)
+
+
+async def _verify_trail(
+    settings: Settings,
+    reference: str | None,
+    session_id: str | None,
+    export_file: Path | None,
+    counter: ProgressLine,
+    *,
+    listed_live: bool,
+) -> TrailReport:
+    """The report; with ``listed_live`` each broken call is printed as it is found (not kept)."""
+    from toolledger.audit.trail import TrailCheck
+
+    done = 0
+
+    def checked(check: TrailCheck) -> None:
+        nonlocal done
+        done += 1
+        counter.update(done)
+        if listed_live and check.found is not None:
+            click.echo(_plain(f"broken: {check.key}: {check.found.message}").plain)
+
+    kept = 0 if listed_live else None
+    async with audit_service(settings) as service:
+        if export_file is not None:
+            return await service.verify_export(export_file, max_listed=kept, on_check=checked)
+        scope = await service.trail_scope(reference, session_id=session_id)
+        return await service.verify_trail(scope, max_listed=kept, on_check=checked)
+
+
+def _print_trail_report(report: TrailReport) -> None:
+    from toolledger.audit.trail import ExportReport
+
+    if isinstance(report, ExportReport):
+        if report.file_whole:
+            click.echo(f"export file whole: its {report.exported_calls} call(s) hash to its digest line")
+        else:
+            click.echo(
+                f"export file CHANGED: what precedes its digest line hashes to {report.computed_sha256}, "
+                f"the line records {report.export_sha256} for {report.exported_calls} call(s)"
+            )
+        if report.missing:
+            shown = ", ".join(report.missing[:MISSING_SHOWN])
+            more = (
+                f" and {len(report.missing) - MISSING_SHOWN} more"
+                if len(report.missing) > MISSING_SHOWN
+                else ""
+            )
+            click.echo(
+                _plain(
+                    f"{len(report.missing)} call(s) of the export are no longer in the ledger (pruned "
+                    f"since, or deleted): {shown}{more}"
+                ).plain
+            )
+    for listed in report.breaks:
+        key = f"{listed.session_id}/{listed.turn_id}/{listed.call_id}"
+        click.echo(_plain(f"broken: {key}: {listed.message}").plain)
+    checked = f"{report.calls} call(s), {report.events} event(s) recomputed ({report.scope})"
+    if report.broken:
+        click.echo(_plain(f"trail BROKEN: {report.broken} of {checked}").plain)
+    elif report.intact:
+        click.echo(_plain(f"trail intact: {checked}").plain)
+    else:
+        click.echo(_plain(f"every trail intact, but the export file changed: {checked}").plain)
+
+
+MISSING_SHOWN = 10
 
 
 @contextlib.contextmanager

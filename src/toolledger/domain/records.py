@@ -61,6 +61,10 @@ class CallEvent:
     lease_token: int | None
     reason: str | None
     detail: str | None
+    prev_sha256: str | None = None
+    """The hash of the call's event before this one (``domain.trail``)."""
+    sha256: str | None = None
+    """This event's own hash, over its fields and ``prev_sha256``."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import expression
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from toolledger.domain.trail import FIELDS
+from toolledger.store.chain import SQLITE_FUNCTION, sqlite_event_sha256
 from toolledger.store.schema import UtcDateTime
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -229,6 +231,8 @@ def lower_like_postgresql(text: Any) -> Any:
 
 def _sqlite_functions(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.create_function(SQLITE_LOWER, 1, lower_like_postgresql, deterministic=True)
+    # The trail's trigger calls it for every event inserted (store.chain).
+    dbapi_connection.create_function(SQLITE_FUNCTION, len(FIELDS), sqlite_event_sha256, deterministic=True)
 
 
 class utc_now(expression.FunctionElement[datetime]):

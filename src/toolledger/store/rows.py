@@ -60,21 +60,25 @@ async def call_events(conn: AsyncConnection, key: CallKey) -> list[CallEvent]:
         )
         .order_by(tool_call_events.c.id)
     )
-    return [
-        CallEvent(
-            id=r.id,
-            key=key,
-            at=r.at,
-            actor=r.actor,
-            kind=r.kind,
-            from_status=r.from_status,
-            to_status=r.to_status,
-            lease_token=r.lease_token,
-            reason=r.reason,
-            detail=r.detail,
-        )
-        for r in rows
-    ]
+    return [call_event(row) for row in rows]
 
 
-__all__ = ["call_events", "call_record"]
+def call_event(row: Row[Any]) -> CallEvent:
+    """A ``tool_call_events`` row as a record."""
+    return CallEvent(
+        id=row.id,
+        key=CallKey(row.session_id, row.turn_id, row.call_id),
+        at=row.at,
+        actor=row.actor,
+        kind=row.kind,
+        from_status=row.from_status,
+        to_status=row.to_status,
+        lease_token=row.lease_token,
+        reason=row.reason,
+        detail=row.detail,
+        prev_sha256=row.prev_sha256,
+        sha256=row.sha256,
+    )
+
+
+__all__ = ["call_event", "call_events", "call_record"]

@@ -30,6 +30,13 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.states import CallStatus, EffectClass
+from toolledger.store.chain import (
+    PG_DROP_SQL,
+    PG_TEXT_FUNCTION_SQL,
+    PG_TRIGGER_FUNCTION_SQL,
+    PG_TRIGGER_SQL,
+    SQLITE_TRIGGER_SQL,
+)
 
 NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
@@ -223,6 +230,10 @@ tool_call_events = Table(
     Column("lease_token", BigInteger),
     Column("reason", StorableText),
     Column("detail", StorableText),
+    # The trail's hash chain (``domain.trail``), set by the database's trigger on insert
+    # (``store.chain``): NULL only in a row written past it.
+    Column("prev_sha256", String(64)),
+    Column("sha256", String(64)),
     ForeignKeyConstraint(
         ["session_id", "turn_id", "call_id"],
         ["tool_calls.session_id", "tool_calls.turn_id", "tool_calls.call_id"],
@@ -231,6 +242,24 @@ tool_call_events = Table(
     Index("ix_tool_call_events_call", "session_id", "turn_id", "call_id", "id"),
     Index("ix_tool_call_events_at", "at"),
 )
+
+# The trail's trigger and functions come with the table, copies of it (``to_metadata``) included.
+_TRAIL_DDL = (
+    *(
+        ("after_create", "postgresql", sql)
+        for sql in (PG_TEXT_FUNCTION_SQL, PG_TRIGGER_FUNCTION_SQL, PG_TRIGGER_SQL)
+    ),
+    ("after_create", "sqlite", SQLITE_TRIGGER_SQL),
+    # Dropping the table drops its trigger; the functions stay unless dropped with it.
+    *(("after_drop", "postgresql", sql) for sql in PG_DROP_SQL[1:]),
+)
+for _when, _dialect, _sql in _TRAIL_DDL:
+    event.listen(
+        tool_call_events,
+        _when,
+        DDL(_sql).execute_if(dialect=_dialect),  # type: ignore[no-untyped-call]
+        propagate=True,
+    )
 
 sessions = Table(
     "sessions",
