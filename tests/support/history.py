@@ -194,7 +194,12 @@ async def assert_history(
         if call.tool_name in AT_MOST_ONCE_TOOLS:
             assert runs[key] <= 1, f"{key} ({call.tool_name}) ran {runs[key]} times"
         if call.tool_name == "ship":
-            assert runs[key] == 1, f"verified {key} ran {runs[key]} times: the hook must settle it"
+            # Given up, every claim was cut off (a verified call given up after max_attempts
+            # may never have reached its handler); else the hook settles the first run's outcome.
+            expected_runs = (0, 1) if key in given_up else (1,)
+            assert runs[key] in expected_runs, (
+                f"verified {key} ran {runs[key]} times: the hook must settle it"
+            )
         if call.tool_name == "record_refund":
             expected_rows = 0 if key in given_up else 1
             assert rows[key.call_id] == expected_rows, f"transactional {key}: {rows[key.call_id]} rows"
