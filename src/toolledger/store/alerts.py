@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, case, func, literal, or_, select, true
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
@@ -25,7 +24,13 @@ from toolledger.domain.alerts import ALERT_TRIGGERS, AlertSubject, AlertTrigger,
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallEvent
 from toolledger.domain.redaction import Redactor
-from toolledger.store.engine import uninterrupted_on_sqlite, utc_after, utc_now, write_transaction
+from toolledger.store.engine import (
+    dialect_insert,
+    uninterrupted_on_sqlite,
+    utc_after,
+    utc_now,
+    write_transaction,
+)
 from toolledger.store.schema import alert_cursors, tool_call_events, tool_calls
 
 
@@ -93,7 +98,7 @@ class AlertStore:
         self.destination = destination
         self.actor = actor
         self.redactor = redactor
-        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._insert = dialect_insert(engine)
         self._triggered = trigger_clause()
 
     # ------------------------------------------------------------------ cursor

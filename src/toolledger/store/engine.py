@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from sqlalchemy import Float, event, exc
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.ext.compiler import compiles
@@ -233,6 +234,11 @@ def _sqlite_functions(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.create_function(SQLITE_LOWER, 1, lower_like_postgresql, deterministic=True)
     # The trail's trigger calls it for every event inserted (store.chain).
     dbapi_connection.create_function(SQLITE_FUNCTION, len(FIELDS), sqlite_event_sha256, deterministic=True)
+
+
+def dialect_insert(engine: AsyncEngine) -> Callable[..., Any]:
+    """The engine's database's own INSERT, which knows ON CONFLICT."""
+    return postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
 
 
 class utc_now(expression.FunctionElement[datetime]):

@@ -50,7 +50,7 @@ from toolledger.domain.states import (
 )
 from toolledger.errors import FencedError, TransitionError
 from toolledger.store.batching import WriteBatcher
-from toolledger.store.engine import is_transient, seconds_until, utc_now
+from toolledger.store.engine import dialect_insert, is_transient, seconds_until, utc_now
 from toolledger.store.rows import call_events, call_record
 from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
 from toolledger.store.transitions import (
@@ -226,7 +226,8 @@ class LedgerStore:
             "p_approval_seconds": None if approval_seconds is None else float(approval_seconds),
         }
         insert = self._statement(
-            (RECORD_FOR_APPROVAL.name,), lambda: record_insert(self._dialect_insert(), RECORD_FOR_APPROVAL)
+            (RECORD_FOR_APPROVAL.name,),
+            lambda: record_insert(dialect_insert(self.engine), RECORD_FOR_APPROVAL),
         )
         async with self._transaction() as conn:
             row = (await conn.execute(insert, params)).first()
@@ -743,12 +744,6 @@ class LedgerStore:
     async def _get(self, conn: AsyncConnection, key: CallKey) -> CallRecord | None:
         row = (await conn.execute(select(tool_calls).where(_where_key(key)))).first()
         return None if row is None else call_record(row)
-
-    def _dialect_insert(self) -> Callable[..., Any]:
-        """The database's own INSERT (it knows ON CONFLICT)."""
-        from sqlalchemy.dialects import postgresql, sqlite
-
-        return postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
 
     def _statement(self, shape: Hashable, build: Callable[[], Any]) -> Any:
         """A write statement built once per shape (building one costs more than running it)."""

@@ -14,7 +14,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
@@ -23,6 +22,7 @@ from toolledger.domain.records import ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.store.engine import (
+    dialect_insert,
     single_write,
     uninterrupted_on_sqlite,
     utc_after,
@@ -36,7 +36,7 @@ from toolledger.store.schema import open_call_clause, replicas, sessions, tool_c
 class SessionStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._insert = dialect_insert(engine)
 
     # ---------------------------------------------------------------- watching
 
