@@ -192,17 +192,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, url: str) -> str:
-        """Accept the usual spellings and pick the async drivers toolledger runs on."""
-        for plain, driver in (
-            ("postgres://", "postgresql+psycopg://"),
-            ("postgresql://", "postgresql+psycopg://"),
-            ("sqlite://", "sqlite+aiosqlite://"),
-        ):
-            if url.startswith(plain):
-                url = driver + url[len(plain) :]
-                break
-        _check_database_url(url)
-        return url
+        return async_database_url(url)
 
     @property
     def agents_api_configured(self) -> bool:
@@ -235,6 +225,21 @@ class Settings(BaseSettings):
 
 SUPPORTED_DATABASES = {"sqlite": "aiosqlite", "postgresql": "psycopg"}
 DATABASE_URL_FORMS = "sqlite:///path/to/ledger.sqlite3 or postgresql://user:password@host:5432/database"
+
+
+def async_database_url(url: str) -> str:
+    """``url`` with the async driver toolledger runs on, from the usual spellings
+    (``postgresql://``, ``postgres://``, ``sqlite://``); ValueError for what no command could open."""
+    for plain, driver in (
+        ("postgres://", "postgresql+psycopg://"),
+        ("postgresql://", "postgresql+psycopg://"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+    ):
+        if url.startswith(plain):
+            url = driver + url[len(plain) :]
+            break
+    _check_database_url(url)
+    return url
 
 
 def _check_database_url(url: str) -> None:

@@ -12,9 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
+from sqlalchemy.engine import make_url
 
 from tests.conformance import tools
+from tests.support.databases import require_postgres, server_url
 from tests.support.paths import ROOT
 from toolledger.emulator import EmulatorServer
 from toolledger.testing import CheckError, Report, Status, assert_conforms, check_tools, reference_of
@@ -40,10 +44,21 @@ EXPECTED = {
 """Every contradiction the check must report, and no other."""
 
 
-@pytest.fixture(scope="module")
-def report(emulator_server: EmulatorServer) -> Report:
-    """One check of every tool, killed mid side effect (the registry passed as the object)."""
-    return check_tools(tools.registry, points=POINTS, jobs=2, emulator_url=emulator_server.base_url)
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def report(request: pytest.FixtureRequest, emulator_server: EmulatorServer) -> Report:
+    """One check of every tool, killed mid side effect (the registry passed as the object): on
+    throwaway SQLite files, and on throwaway databases of the PostgreSQL server."""
+    database_url = None
+    if request.param == "postgresql":
+        database_url = server_url()
+        require_postgres(database_url)
+    return check_tools(
+        tools.registry,
+        points=POINTS,
+        jobs=2,
+        emulator_url=emulator_server.base_url,
+        database_url=database_url,
+    )
 
 
 def test_check_tools__reports_exactly_the_tools_that_break_their_word(report: Report) -> None:
@@ -91,6 +106,47 @@ def test_check_tools__each_run_takes_about_a_second_or_two(report: Report) -> No
 
     assert len(runs) == 22  # a baseline each, and the killed runs of all but picky (and lookup's n/a)
     assert sum(runs) / len(runs) < 10, runs  # generous: the machine may be shared
+
+
+def test_check_tools__on_postgresql__a_transactional_tool_s_killed_run_rolls_back_there(
+    emulator_server: EmulatorServer, tmp_path: Path
+) -> None:
+    server = server_url()
+    require_postgres(server)
+
+    report = check_tools(
+        "tests.conformance.tools:correct",
+        tools=["refund"],
+        points=["inside_handler"],
+        emulator_url=emulator_server.base_url,
+        database_url=server,
+        keep=tmp_path,
+    )
+
+    run = tmp_path / "refund" / "inside_handler"
+    database = (run / "ledger.txt").read_text().removeprefix("PostgreSQL database ").strip()
+    libpq = make_url(server).set(drivername="postgresql", database=database)
+    try:
+        assert [(r.point, r.status) for r in report.results] == [
+            ("no_crash", Status.OK),
+            ("inside_handler", Status.OK),
+        ]
+        assert not (run / "ledger.sqlite3").exists()
+        # Kept: the killed run's refund row was rolled back by PostgreSQL, the re-run's committed.
+        with psycopg.connect(libpq.render_as_string(hide_password=False)) as connection:
+            assert connection.execute("SELECT count(*) FROM conformance_refunds").fetchone() == (1,)
+            assert connection.execute("SELECT status FROM tool_calls").fetchall() == [("submitted",)]
+    finally:
+        prefix = database.rpartition("_")[0]
+        with psycopg.connect(
+            make_url(server).set(drivername="postgresql").render_as_string(hide_password=False),
+            autocommit=True,
+        ) as admin:
+            kept = admin.execute(
+                "SELECT datname FROM pg_database WHERE starts_with(datname, %s)", (f"{prefix}_",)
+            ).fetchall()
+            for (name,) in kept:
+                admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(str(name))))
 
 
 def test_reference_of__finds_the_module_holding_the_registry() -> None:
@@ -249,6 +305,10 @@ def test_check_tools__tools_that_cannot_be_loaded__are_refused_with_the_reason(
         (
             ["--tools", "tests.conformance.tools:registry", "--point", "somewhere"],
             "'somewhere' is not one of",
+        ),
+        (
+            ["--tools", "tests.conformance.tools:registry", "--database-url", "sqlite:///ledger.sqlite3"],
+            "Invalid value for --database-url: expected a PostgreSQL server",
         ),
     ],
 )

@@ -64,6 +64,14 @@ class CheckFailed(click.ClickException):
     help="Seconds a worker process may take before it is killed and its run failed.",
 )
 @click.option(
+    "--database-url",
+    envvar="TOOLLEDGER_CHECK_DATABASE_URL",
+    default=None,
+    help="Make the throwaway ledgers on this PostgreSQL server (databases named toolledger_check_*, "
+    "dropped at the end; the role needs CREATEDB) instead of SQLite files, so that transactional "
+    "tools run their SQL on PostgreSQL.",
+)
+@click.option(
     "--keep",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -77,6 +85,7 @@ def check(
     points: tuple[str, ...],
     jobs: int,
     timeout: float,
+    database_url: str | None,
     keep: Path | None,
     as_json: bool,
 ) -> None:
@@ -84,8 +93,9 @@ def check(
 
     \b
     For each tool: one call without a crash, then one per crash point, each against a
-    throwaway SQLite ledger and the built-in emulator: a worker process handles the call
-    and is SIGKILLed at the point, then a fresh process recovers. The tool's side effects,
+    throwaway ledger (SQLite, or PostgreSQL with --database-url) and the built-in
+    emulator: a worker process handles the call and is SIGKILLed at the point, then a
+    fresh process recovers. The tool's side effects,
     reported by its own code with toolledger.testing.effect(), are held against what its
     effect class promises (e.g. "declared idempotent: 2 side effects seen for one key").
 
@@ -104,6 +114,7 @@ def check(
             points=points or None,
             jobs=jobs,
             timeout=timeout,
+            database_url=database_url,
             keep=keep,
             progress=lambda result: click.echo(_line(result), err=as_json),
         )

@@ -24,8 +24,9 @@ from queue import Queue
 from typing import TYPE_CHECKING, Any
 
 from toolledger.testing.examples import ExampleError, arguments_for
+from toolledger.testing.ledgers import ThrowawayLedgers, throwaway_ledgers
 from toolledger.testing.report import Report
-from toolledger.testing.runs import Progress, Runs, log_tail, sqlite_url
+from toolledger.testing.runs import Progress, Runs, log_tail
 from toolledger.testing.verdicts import (
     CRASH_POINTS,
     NO_CRASH,
@@ -52,6 +53,7 @@ def check_tools(
     jobs: int = 1,
     timeout: float = DEFAULT_TIMEOUT,
     emulator_url: str | None = None,
+    database_url: str | None = None,
     keep: Path | None = None,
     progress: Progress | None = None,
 ) -> Report:
@@ -65,6 +67,9 @@ def check_tools(
     ``jobs``: runs at once (each in a worker process of its own).
     ``timeout``: seconds a worker process may take before it is killed and the run failed.
     ``emulator_url``: the base URL of a running emulator to use (default: one started here).
+    ``database_url``: a PostgreSQL server to make the throwaway ledgers on, as databases
+    beside the one named (its role needs CREATEDB); they are dropped at the end. Default:
+    SQLite files.
     ``keep``: a directory to keep every run's ledger, outside world and logs in.
     ``progress``: called with each result as it comes.
     """
@@ -80,6 +85,8 @@ def check_tools(
     started = time.monotonic()
     with ExitStack() as stack:
         workdir = _workdir(stack, keep)
+        # Made first: a server that refuses is said at once, not after the tools' imports.
+        ledgers = stack.enter_context(throwaway_ledgers(workdir, database_url, keep=keep is not None))
         # Started first: importing the tools takes the forkservers seconds, the emulator meanwhile.
         forkservers = [
             stack.enter_context(Workers(reference, workdir / f"forkserver-{number + 1}.log"))
@@ -94,8 +101,8 @@ def check_tools(
         if not chosen:
             raise CheckError(f"{reference} holds no tools to check", param="--tools")
         arguments = _arguments(chosen, examples, {tool["name"] for tool in forkservers[0].ready()})
-        template = _template(forkservers[0], workdir)
-        runs = Runs(workdir, template, base_url, control, client, timeout, progress)
+        _prepare(forkservers[0], workdir, ledgers)
+        runs = Runs(workdir, ledgers, base_url, control, client, timeout, progress)
         results = runs.all(pool, jobs, chosen, arguments, crash_points)
     return Report(
         results,
@@ -243,18 +250,14 @@ def _agents_api(stack: ExitStack, url: str | None) -> tuple[str, EmulatorControl
     return url, control, client
 
 
-def _template(workers: Workers, workdir: Path) -> Path:
-    """A migrated ledger with the effects table: each run starts from a copy."""
-    path = workdir / "template.sqlite3"
-    for stale in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
-        stale.unlink(missing_ok=True)
+def _prepare(workers: Workers, workdir: Path, ledgers: ThrowawayLedgers) -> None:
+    """Migrate the template ledger and give it the effects table: each run starts from a copy."""
     job = Job(
         kind="prepare",
-        database_url=sqlite_url(path),
+        database_url=ledgers.template_url,
         out=str(workdir / "template.json"),
         log=str(workdir / "template.log"),
     )
     code = workers.do(job.as_json(), DEFAULT_TIMEOUT)
     if code != 0:
         raise CheckError(f"could not make the throwaway ledger:\n{log_tail(Path(job.log))}")
-    return path

@@ -34,6 +34,8 @@ from toolledger.testing.workers import Job
 PRELOADED = (
     "toolledger.gateway.agents",
     "toolledger.store.ledger_sqlite",
+    "toolledger.store.ledger_postgres",
+    "sqlalchemy.dialects.postgresql.psycopg",
     "toolledger.migrations",
     "aiosqlite",
     "anyio._backends._asyncio",

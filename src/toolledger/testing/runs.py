@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolledger.domain.states import EffectClass
 from toolledger.testing.examples import ExampleError
+from toolledger.testing.ledgers import ThrowawayLedgers
 from toolledger.testing.verdicts import NO_CRASH, POINTS, Observation, PointResult, Status, judge
 from toolledger.testing.workers import Job, JobTimeout, Workers
 from toolledger.testing.world import World
@@ -51,7 +52,7 @@ class Runs:
     """Carries out a check's runs, ``jobs`` at once, and reports each verdict as it comes."""
 
     workdir: Path
-    template: Path
+    ledgers: ThrowawayLedgers
     base_url: str
     control: EmulatorControl
     client: OpenAI
@@ -153,16 +154,26 @@ class Runs:
         directory = self.workdir / _file_name(tool.name) / point
         shutil.rmtree(directory, ignore_errors=True)  # a kept directory's earlier check
         directory.mkdir(parents=True)
-        ledger = directory / "ledger.sqlite3"
-        shutil.copyfile(self.template, ledger)
-        wal = self.template.with_name(f"{self.template.name}-wal")
-        if wal.exists():  # closed, so normally folded into the file; if not, it is part of it
-            shutil.copyfile(wal, ledger.with_name(f"{ledger.name}-wal"))
+        ledger = self.ledgers.fresh(directory)
+        try:
+            return self._run_on(ledger, directory, workers, tool, point, baseline)
+        finally:
+            self.ledgers.discard(ledger)
+
+    def _run_on(
+        self,
+        ledger: str,
+        directory: Path,
+        workers: Workers,
+        tool: _Tool,
+        point: str,
+        baseline: Observation | None,
+    ) -> tuple[PointResult, Observation]:
         world = World(directory / "world.sqlite3").create()
         session_id, turn_id, call_id = self._session(tool)
         job = Job(
             kind="run",
-            database_url=sqlite_url(ledger),
+            database_url=ledger,
             out=str(directory / "run.json"),
             log=str(directory / "worker.log"),
             base_url=self.base_url,
@@ -265,10 +276,6 @@ def _skipped(tool: str, effect: str, point: str, reason: str) -> PointResult:
 def _file_name(name: str) -> str:
     """A tool's name as a directory's (a registry may name a tool anything)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "_"
-
-
-def sqlite_url(path: Path) -> str:
-    return f"sqlite+aiosqlite:///{path}"
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
