@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
+import uuid
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from tests.support.history import assert_history, create_refunds_table, ledger_calls, wait_quiescent
 from tests.support.serve_process import TOOLS, ServeProcess, run_cli
@@ -17,9 +21,9 @@ from toolledger.emulator import EmulatorServer, ReceivedToolResult, Script
 
 SESSIONS = 6
 PASSES = 6
-# Long enough that a reconcile process started once serve has claimed the call (its start
-# up takes a second or two on a loaded machine) still finds the lease live.
-LONG_CALL_MS = 6000
+# The longest the held call may take: it is released as soon as the first reconcile pass is
+# over (that pass must meet it under serve's live lease, however slowly the pass starts).
+LONG_CALL_MS = 60_000
 
 
 async def wait_until_running(
@@ -38,12 +42,19 @@ def _batched(received: ReceivedToolResult) -> bool:
 
 
 async def test_reconcile_passes__racing_a_running_service__post_nothing_twice(
-    postgres_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+    postgres_url: str,
+    emulator: EmulatorServer,
+    effects_file: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     await create_refunds_table(postgres_url)
+    # Short: the script travels in the session's metadata, 512 characters at most.
+    release = Path(tempfile.gettempdir()) / f"tl-release-{uuid.uuid4().hex[:8]}"
+    request.addfinalizer(lambda: release.unlink(missing_ok=True))
     script = Script.of_calls(
         [
-            ("charge", {"amount": 10, "pause_ms": LONG_CALL_MS}),
+            ("charge", {"amount": 10, "pause_ms": LONG_CALL_MS, "until_file": str(release)}),
             ("notify", {"message": "paid", "pause_ms": 1500}),
         ],
         [
@@ -74,6 +85,7 @@ async def test_reconcile_passes__racing_a_running_service__post_nothing_twice(
             )
             assert done.returncode == 0, done.stderr
             summaries.append(json.loads(done.stdout))
+            release.touch()
         states = await wait_quiescent(emulator, postgres_url, session_ids)
 
     figures = await assert_history(emulator, postgres_url, session_ids, states, effects_file, 6)

@@ -38,12 +38,22 @@ def _effect(tool: str, ctx: ToolContext) -> None:
         os.fsync(sink.fileno())
 
 
+def _pause(pause_ms: int, until_file: str) -> None:
+    """``pause_ms``; with ``until_file``, only until the test creates that file (its cue that
+    what had to happen during the call has happened), at most ``pause_ms``."""
+    deadline = time.monotonic() + pause_ms / 1000
+    while time.monotonic() < deadline:
+        if until_file and os.path.exists(until_file):
+            return
+        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+
+
 @registry.tool(name="charge")
-def charge(amount: int, ctx: ToolContext, pause_ms: int = 0) -> str:
+def charge(amount: int, ctx: ToolContext, pause_ms: int = 0, until_file: str = "") -> str:
     """Charge a card: at most once."""
     _effect("charge", ctx)
     crash_point(CP_INSIDE_HANDLER)
-    time.sleep(pause_ms / 1000)
+    _pause(pause_ms, until_file)
     return f"charged {amount}"
 
 
