@@ -43,7 +43,9 @@ from toolledger.store.engine import create_engine
 from toolledger.store.sessions import SessionStore
 
 SESSIONS_PER_TRIAL = 2
-INSIDE_POINTS = sorted(cp.ALL_POINTS - {cp.CP_DURING_RECOVERY})
+# Points `serve` passes. after_approval is the approver's (the CLI's, the API's), killed there
+# in tests/runtime/test_approval_crashes.py; armed in serve it would never fire.
+INSIDE_POINTS = sorted(cp.ALL_POINTS - {cp.CP_DURING_RECOVERY, cp.CP_AFTER_APPROVAL})
 
 
 async def run_trials(
