@@ -609,24 +609,26 @@ async def call_filters(
     # A plain array, not "array or null": a query carries only strings, and a tool may be
     # named "false" or "null", which a schema allowing null would call another type.
     tool: Annotated[list[_ToolName], Query(description="Tool name (repeatable).")] = [],  # noqa: B006 - FastAPI copies it
+    # Plain arrays too: with null allowed, a value that a query spells as "" (how an empty
+    # form field comes) would be "null" to the document and a filter-less list to the API.
     status: Annotated[
-        list[str] | None,
+        list[str],
         Query(
             description="Status (repeatable, or comma-separated): "
             + ", ".join(status.value for status in CallStatus)
             + "."
         ),
-    ] = None,
+    ] = [],  # noqa: B006 - FastAPI copies it
     outcome: Annotated[
-        list[str] | None,
+        list[str],
         Query(
             description="Outcome (repeatable, or comma-separated): succeeded or failed, whatever the "
             "status (a failure stays failed once submitted)."
         ),
-    ] = None,
+    ] = [],  # noqa: B006 - FastAPI copies it
     effect_class: Annotated[
-        list[str] | None, Query(description="Effect class (repeatable, or comma-separated).")
-    ] = None,
+        list[str], Query(description="Effect class (repeatable, or comma-separated).")
+    ] = [],  # noqa: B006 - FastAPI copies it
     since: Annotated[
         str | None,
         Query(
