@@ -19,6 +19,13 @@ from toolledger.store import migrate
 os.environ.setdefault("TOOLLEDGER_LOG_FORMAT", "text")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers per CPU. A worker spends much of a test waiting on the
+    processes it started, leases and sockets: on 2 CPUs, 4 workers kept both busy and ran
+    the suite in 622 s against 722 s with 2 (measured 2026-12-07)."""
+    return 2 * (os.cpu_count() or 1)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--trials", type=int, default=50, help="Trials of the chaos run (-m chaos).")
     parser.addoption("--chaos-report", default=None, help="Write the chaos run's figures to this JSON file.")
