@@ -44,15 +44,19 @@ EXPECTED = {
 """Every contradiction the check must report, and no other."""
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def report(request: pytest.FixtureRequest, emulator_server: EmulatorServer) -> Report:
-    """One check of every tool, killed mid side effect (the registry passed as the object): on
-    throwaway SQLite files, and on throwaway databases of the PostgreSQL server."""
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_check_tools__every_tool_killed_mid_side_effect__each_judged_by_its_effect_class(
+    database: str, emulator_server: EmulatorServer
+) -> None:
+    """One check of every tool (the registry passed as the object), on throwaway SQLite files
+    and on throwaway databases of the PostgreSQL server. One test per check, not a module
+    fixture shared by several: under xdist each worker would make the check again."""
     database_url = None
-    if request.param == "postgresql":
+    if database == "postgresql":
         database_url = server_url()
         require_postgres(database_url)
-    return check_tools(
+
+    report = check_tools(
         tools.registry,
         points=POINTS,
         jobs=2,
@@ -60,8 +64,13 @@ def report(request: pytest.FixtureRequest, emulator_server: EmulatorServer) -> R
         database_url=database_url,
     )
 
+    _reports_exactly_the_tools_that_break_their_word(report)
+    _passes_each_effect_class_s_correct_tool(report)
+    _asks_for_an_example_for_a_tool_failing_with_schema_arguments(report)
+    _runs_each_in_about_a_second_or_two(report)
 
-def test_check_tools__reports_exactly_the_tools_that_break_their_word(report: Report) -> None:
+
+def _reports_exactly_the_tools_that_break_their_word(report: Report) -> None:
     found = {(r.tool, r.point): r.problems for r in report.results if r.status is Status.CONTRADICTION}
 
     assert found == EXPECTED
@@ -69,7 +78,7 @@ def test_check_tools__reports_exactly_the_tools_that_break_their_word(report: Re
     assert not report.ok
 
 
-def test_check_tools__passes_each_effect_class_s_correct_tool(report: Report) -> None:
+def _passes_each_effect_class_s_correct_tool(report: Report) -> None:
     correct = {tool.name for tool in tools.correct}
     statuses = {(r.tool, r.point): r.status for r in report.results if r.tool in correct}
 
@@ -87,7 +96,7 @@ def test_check_tools__passes_each_effect_class_s_correct_tool(report: Report) ->
     assert notes[("refund_large", "inside_handler")] == "run again; no repeated side effect"
 
 
-def test_check_tools__a_tool_failing_with_schema_arguments__asks_for_an_example(report: Report) -> None:
+def _asks_for_an_example_for_a_tool_failing_with_schema_arguments(report: Report) -> None:
     picky = [r for r in report.results if r.tool == "picky"]
 
     assert [(r.point, r.status) for r in picky] == [
@@ -101,7 +110,7 @@ def test_check_tools__a_tool_failing_with_schema_arguments__asks_for_an_example(
     assert report.arguments["picky"] == {"order_id": "example"}
 
 
-def test_check_tools__each_run_takes_about_a_second_or_two(report: Report) -> None:
+def _runs_each_in_about_a_second_or_two(report: Report) -> None:
     runs = [r.seconds for r in report.results if r.status is not Status.NOT_APPLICABLE]
 
     assert len(runs) == 22  # a baseline each, and the killed runs of all but picky (and lookup's n/a)
