@@ -14,9 +14,9 @@ import itertools
 import shutil
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 import psycopg
 from psycopg import sql
@@ -32,29 +32,33 @@ drop them leaves them behind: `SELECT datname FROM pg_database WHERE datname LIK
 CONNECT_SECONDS = 10
 
 
-class ThrowawayLedgers(Protocol):
-    """Where a check's ledgers live."""
+class ThrowawayLedgers(ABC):
+    """Where a check's ledgers live; closing releases what they hold."""
 
     @property
+    @abstractmethod
     def template_url(self) -> str:
         """The ledger the check migrates once; every run's ledger starts as a copy of it."""
-        ...
 
+    @abstractmethod
     def fresh(self, directory: Path) -> str:
         """A new ledger for one run (``directory``: the run's own, for files and notes)."""
-        ...
 
+    @abstractmethod
     def discard(self, url: str) -> None:
         """The run is over: its ledger may go (unless the check keeps everything)."""
-        ...
 
-    def close(self) -> None: ...
+    @abstractmethod
+    def close(self) -> None:
+        """The check is over: release what is left."""
 
-    def __enter__(self) -> ThrowawayLedgers: ...
+    def __enter__(self) -> ThrowawayLedgers:
+        return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None: ...
+    ) -> None:
+        self.close()
 
 
 def throwaway_ledgers(workdir: Path, database_url: str | None, *, keep: bool) -> ThrowawayLedgers:
@@ -74,20 +78,7 @@ def throwaway_ledgers(workdir: Path, database_url: str | None, *, keep: bool) ->
     return PostgresLedgers(url, keep=keep)
 
 
-class _Closing:
-    def __enter__(self) -> ThrowawayLedgers:
-        return self  # type: ignore[return-value]
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class SqliteLedgers(_Closing):
+class SqliteLedgers(ThrowawayLedgers):
     """A file per run in the run's directory, removed with the check's directory (or kept)."""
 
     def __init__(self, workdir: Path) -> None:
@@ -110,12 +101,15 @@ class SqliteLedgers(_Closing):
     def discard(self, url: str) -> None:
         """Files go with the check's directory."""
 
+    def close(self) -> None:
+        """Files go with the check's directory."""
+
     @staticmethod
     def _companions(path: Path) -> tuple[Path, Path]:
         return path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")
 
 
-class PostgresLedgers(_Closing):
+class PostgresLedgers(ThrowawayLedgers):
     """A database per run on the server of ``url``, made by the role in it (which needs the
     CREATEDB privilege); ``keep``: leave every database for a look afterwards."""
 
