@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, case, func, literal, or_, select, true
-from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.alerts import ALERT_TRIGGERS, AlertSubject, AlertTrigger, alert_kind_of
 from toolledger.domain.keys import CallKey
-from toolledger.domain.records import CallEvent
 from toolledger.domain.redaction import Redactor
 from toolledger.store.engine import (
     dialect_insert,
@@ -31,6 +29,7 @@ from toolledger.store.engine import (
     utc_now,
     write_transaction,
 )
+from toolledger.store.rows import call_event
 from toolledger.store.schema import alert_cursors, tool_call_events, tool_calls
 
 
@@ -288,18 +287,7 @@ class AlertStore:
         events, calls = tool_call_events.c, tool_calls.c
         return (
             select(
-                events.id,
-                events.session_id,
-                events.turn_id,
-                events.call_id,
-                events.at,
-                events.actor,
-                events.kind,
-                events.from_status,
-                events.to_status,
-                events.lease_token,
-                events.reason,
-                events.detail,
+                *events,
                 # What an alert may say of its call, and nothing more: arguments, results and
                 # error details are not even read.
                 calls.tool_name,
@@ -325,7 +313,7 @@ class AlertStore:
 def _subjects(rows: Any) -> list[AlertSubject]:
     subjects = []
     for row in rows:
-        event = _event(row)
+        event = call_event(row)
         kind = alert_kind_of(event)
         if kind is None:  # the SQL filter and the triggers agree; this keeps the types honest
             continue
@@ -341,21 +329,6 @@ def _subjects(rows: Any) -> list[AlertSubject]:
             )
         )
     return subjects
-
-
-def _event(row: Row[Any]) -> CallEvent:
-    return CallEvent(
-        id=int(row.id),
-        key=CallKey(row.session_id, row.turn_id, row.call_id),
-        at=row.at,
-        actor=row.actor,
-        kind=row.kind,
-        from_status=row.from_status,
-        to_status=row.to_status,
-        lease_token=row.lease_token,
-        reason=row.reason,
-        detail=row.detail,
-    )
 
 
 __all__ = ["AlertLease", "AlertNote", "AlertStore", "EventWindow", "trigger_clause"]
