@@ -24,7 +24,7 @@ from toolledger.domain.trail import event_sha256, event_values
 from toolledger.store.chain import SQLITE_DROP_SQL, SQLITE_TRIGGER_SQL
 from toolledger.store.engine import create_engine, sync_url
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.rows import call_event
+from toolledger.store.rows import call_event, call_events_query
 from toolledger.store.schema import tool_call_events
 
 
@@ -43,16 +43,7 @@ class TrailLedger:
         engine = self.engine()
         try:
             with engine.connect() as conn:
-                rows = conn.execute(
-                    select(tool_call_events)
-                    .where(
-                        tool_call_events.c.session_id == key.session_id,
-                        tool_call_events.c.turn_id == key.turn_id,
-                        tool_call_events.c.call_id == key.call_id,
-                    )
-                    .order_by(tool_call_events.c.id)
-                )
-                return [call_event(row) for row in rows]
+                return [call_event(row) for row in conn.execute(call_events_query(key))]
         finally:
             engine.dispose()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Row, select
+from sqlalchemy import Row, Select, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from toolledger.domain.keys import CallKey
@@ -51,7 +51,12 @@ def call_record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
 
 async def call_events(conn: AsyncConnection, key: CallKey) -> list[CallEvent]:
     """A call's audit trail, oldest first."""
-    rows = await conn.execute(
+    return [call_event(row) for row in await conn.execute(call_events_query(key))]
+
+
+def call_events_query(key: CallKey) -> Select[Any]:
+    """The rows of a call's audit trail, oldest first (``call_event`` reads each)."""
+    return (
         select(tool_call_events)
         .where(
             tool_call_events.c.session_id == key.session_id,
@@ -60,7 +65,6 @@ async def call_events(conn: AsyncConnection, key: CallKey) -> list[CallEvent]:
         )
         .order_by(tool_call_events.c.id)
     )
-    return [call_event(row) for row in rows]
 
 
 def call_event(row: Row[Any]) -> CallEvent:
@@ -81,4 +85,4 @@ def call_event(row: Row[Any]) -> CallEvent:
     )
 
 
-__all__ = ["call_event", "call_events", "call_record"]
+__all__ = ["call_event", "call_events", "call_events_query", "call_record"]
