@@ -1,15 +1,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.support.calls_cli import Ledger
-from tests.support.databases import PostgresTemplate, require_postgres, server_url
+from tests.support.databases import NewDatabase, PostgresTemplate, require_postgres, server_url
 from tests.support.ledger_fill import FilledLedger, fill_ledger
 from toolledger.emulator import EmulatorServer
 from toolledger.store import migrate
@@ -85,6 +87,25 @@ def postgres_url(postgres_template: PostgresTemplate) -> Iterator[str]:
     """A migrated PostgreSQL database of this test's own."""
     with postgres_template.clone() as url:
         yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NewDatabase]:
+    """Makes empty databases (no tables at all) of this test's own; PostgreSQL ones are dropped after."""
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            numbers = itertools.count()
+
+            def make() -> str:
+                return f"sqlite+aiosqlite:///{tmp_path / f'ledger_{next(numbers)}.sqlite3'}"
+
+        else:
+            template: PostgresTemplate = request.getfixturevalue("postgres_template")
+
+            def make() -> str:
+                return stack.enter_context(template.clone(migrated=False))
+
+        yield make
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

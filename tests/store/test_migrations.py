@@ -7,12 +7,9 @@ also covers partial-index predicates and check constraints); and ``toolledger mi
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Index, MetaData, create_engine, inspect, pool, text
 
-from tests.support.databases import PostgresTemplate
+from tests.support.databases import NewDatabase, PostgresTemplate
 from tests.support.paths import ROOT
 from toolledger.store import migrate
 from toolledger.store.engine import sync_url
@@ -34,27 +31,6 @@ from toolledger.store.schema import metadata
 LEDGER_TABLES = {"tool_calls", "tool_call_events", "sessions"}
 VERSION_TABLE = "alembic_version"
 TOOLLEDGER_BIN = Path(sys.executable).with_name("toolledger")
-
-NewDatabase = Callable[[], str]
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def new_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NewDatabase]:
-    """Makes empty databases (no tables at all) of this test's own; PostgreSQL ones are dropped after."""
-    with ExitStack() as stack:
-        if request.param == "sqlite":
-            numbers = itertools.count()
-
-            def make() -> str:
-                return f"sqlite+aiosqlite:///{tmp_path / f'ledger_{next(numbers)}.sqlite3'}"
-
-        else:
-            template: PostgresTemplate = request.getfixturevalue("postgres_template")
-
-            def make() -> str:
-                return stack.enter_context(template.clone(migrated=False))
-
-        yield make
 
 
 @pytest.fixture

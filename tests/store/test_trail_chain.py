@@ -8,20 +8,16 @@ defines; migration 0008 chains a ledger written before it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import uuid
-from collections.abc import Coroutine, Iterator
-from contextlib import ExitStack
+from collections.abc import Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import pool, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.support.databases import PostgresTemplate
+from tests.support.databases import NewDatabase
 from toolledger.domain.keys import CallKey
 from toolledger.domain.results import FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus, EffectClass
@@ -274,25 +270,6 @@ async def test_trail_heads__the_last_event_of_each_call__absent_for_unknown_call
 # --------------------------------------------------------------------------- migration 0008
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    """Makes empty databases of this test's own."""
-    with ExitStack() as stack:
-        if request.param == "sqlite":
-            numbers = itertools.count()
-
-            def make() -> str:
-                return f"sqlite+aiosqlite:///{tmp_path / f'ledger_{next(numbers)}.sqlite3'}"
-
-        else:
-            template: PostgresTemplate = request.getfixturevalue("postgres_template")
-
-            def make() -> str:
-                return stack.enter_context(template.clone(migrated=False))
-
-        yield make
-
-
 BEFORE_THE_TRAIL = "0007"
 """The revision before the trail's (0008): today's store writes every column it has."""
 
@@ -318,9 +295,9 @@ async def write_lives_before_the_trail(url: str) -> list[CallKey]:
 
 
 async def test_upgrade_to_0008__chains_the_events_already_stored__and_new_ones_follow_on(
-    empty_database: Any,
+    new_database: NewDatabase,
 ) -> None:
-    url = empty_database()
+    url = new_database()
     migrate.upgrade(url, BEFORE_THE_TRAIL)
     keys = await write_lives_before_the_trail(url)
 
@@ -380,8 +357,8 @@ def trail_objects(url: str) -> dict[str, str]:
         engine.dispose()
 
 
-def test_migrations__build_the_same_trigger_and_functions_as_the_schema(empty_database: Any) -> None:
-    migrated, reference = empty_database(), empty_database()
+def test_migrations__build_the_same_trigger_and_functions_as_the_schema(new_database: NewDatabase) -> None:
+    migrated, reference = new_database(), new_database()
     migrate.upgrade(migrated)
     engine = create_sync_engine(sync_url(reference), poolclass=pool.NullPool)
     try:

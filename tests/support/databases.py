@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
@@ -18,6 +18,10 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from toolledger.store import migrate
+
+NewDatabase = Callable[[], str]
+"""Makes an empty database (no tables at all) each time it is called (the ``new_database``
+fixture)."""
 
 DEFAULT_SERVER_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -74,6 +78,25 @@ class PostgresTemplate:
         finally:
             with self.admin() as conn:
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def connect(url: str, database: str | None = None) -> psycopg.Connection[tuple[object, ...]]:
+    """An autocommit psycopg connection to the database of ``url`` (or to ``database``
+    on its server)."""
+    return psycopg.connect(_libpq(url, database), autocommit=True, connect_timeout=5)
+
+
+def databases_named(url: str, prefix: str) -> set[str]:
+    """The databases of ``url``'s server whose names start with ``prefix``."""
+    with connect(url) as conn:
+        rows = conn.execute("SELECT datname FROM pg_database WHERE starts_with(datname, %s)", (prefix,))
+        return {str(name) for (name,) in rows.fetchall()}
+
+
+def drop_databases_named(url: str, prefix: str) -> None:
+    with connect(url) as conn:
+        for name in databases_named(url, prefix):
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def postgres_available(url: str) -> bool:
