@@ -12,13 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg import sql
-from sqlalchemy.engine import make_url
 
 from tests.conformance import tools
-from tests.support.databases import require_postgres, server_url
+from tests.support.databases import connect, drop_databases_named, require_postgres, server_url
 from tests.support.paths import ROOT
 from toolledger.emulator import EmulatorServer
 from toolledger.testing import CheckError, Report, Status, assert_conforms, check_tools, reference_of
@@ -134,7 +131,6 @@ def test_check_tools__on_postgresql__a_transactional_tool_s_killed_run_rolls_bac
 
     run = tmp_path / "refund" / "inside_handler"
     database = (run / "ledger.txt").read_text().removeprefix("PostgreSQL database ").strip()
-    libpq = make_url(server).set(drivername="postgresql", database=database)
     try:
         assert [(r.point, r.status) for r in report.results] == [
             ("no_crash", Status.OK),
@@ -142,20 +138,11 @@ def test_check_tools__on_postgresql__a_transactional_tool_s_killed_run_rolls_bac
         ]
         assert not (run / "ledger.sqlite3").exists()
         # Kept: the killed run's refund row was rolled back by PostgreSQL, the re-run's committed.
-        with psycopg.connect(libpq.render_as_string(hide_password=False)) as connection:
+        with connect(server, database) as connection:
             assert connection.execute("SELECT count(*) FROM conformance_refunds").fetchone() == (1,)
             assert connection.execute("SELECT status FROM tool_calls").fetchall() == [("submitted",)]
     finally:
-        prefix = database.rpartition("_")[0]
-        with psycopg.connect(
-            make_url(server).set(drivername="postgresql").render_as_string(hide_password=False),
-            autocommit=True,
-        ) as admin:
-            kept = admin.execute(
-                "SELECT datname FROM pg_database WHERE starts_with(datname, %s)", (f"{prefix}_",)
-            ).fetchall()
-            for (name,) in kept:
-                admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(str(name))))
+        drop_databases_named(server, f"{database.rpartition('_')[0]}_")
 
 
 def test_reference_of__finds_the_module_holding_the_registry() -> None:

@@ -7,12 +7,17 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from tests.support.databases import require_postgres, server_url
+from tests.support.databases import (
+    connect,
+    databases_named,
+    drop_databases_named,
+    require_postgres,
+    server_url,
+)
 from toolledger.testing import CheckError
 from toolledger.testing.ledgers import DATABASE_PREFIX, PostgresLedgers, SqliteLedgers, throwaway_ledgers
 
@@ -24,35 +29,12 @@ def server() -> str:
     return url
 
 
-def _connect(url: str, database: str | None = None) -> psycopg.Connection[tuple[object, ...]]:
-    parsed = make_url(url).set(drivername="postgresql")
-    if database is not None:
-        parsed = parsed.set(database=database)
-    return psycopg.connect(parsed.render_as_string(hide_password=False), autocommit=True)
-
-
-def _databases(server: str, prefix: str) -> set[str]:
-    with _connect(server) as connection:
-        rows = connection.execute(
-            "SELECT datname FROM pg_database WHERE starts_with(datname, %s)", (prefix,)
-        ).fetchall()
-    return {str(name) for (name,) in rows}
-
-
 def _prefix(url: str) -> str:
     """The check's own prefix, from its template's name (``<prefix>_template``)."""
     name = str(make_url(url).database)
     assert name.startswith(DATABASE_PREFIX), name
     assert name.endswith("_template"), name
     return name.removesuffix("template")
-
-
-def _drop_all(server: str, prefix: str) -> None:
-    with _connect(server) as connection:
-        for name in _databases(server, prefix):
-            connection.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def test_postgres_ledgers__each_run_gets_a_copy_of_the_template__dropped_after(
@@ -63,7 +45,7 @@ def test_postgres_ledgers__each_run_gets_a_copy_of_the_template__dropped_after(
     try:
         with ledgers:
             assert isinstance(ledgers, PostgresLedgers)
-            with _connect(ledgers.template_url) as template:
+            with connect(ledgers.template_url) as template:
                 template.execute("CREATE TABLE migrated (n integer)")
                 template.execute("INSERT INTO migrated VALUES (1)")
             (tmp_path / "a").mkdir()
@@ -71,9 +53,9 @@ def test_postgres_ledgers__each_run_gets_a_copy_of_the_template__dropped_after(
             first, second = ledgers.fresh(tmp_path / "a"), ledgers.fresh(tmp_path / "b")
 
             # Each run's database is its own copy: a write to one is not seen in the other.
-            with _connect(first) as run:
+            with connect(first) as run:
                 run.execute("INSERT INTO migrated VALUES (2)")
-            with _connect(second) as run:
+            with connect(second) as run:
                 assert run.execute("SELECT n FROM migrated").fetchall() == [(1,)]
             assert make_url(first).database != make_url(second).database
             assert (tmp_path / "b" / "ledger.txt").read_text() == (
@@ -83,14 +65,14 @@ def test_postgres_ledgers__each_run_gets_a_copy_of_the_template__dropped_after(
             assert make_url(first).drivername == "postgresql+psycopg"
 
             ledgers.discard(first)
-            assert _databases(server, prefix) == {
+            assert databases_named(server, prefix) == {
                 str(make_url(ledgers.template_url).database),
                 str(make_url(second).database),
             }
         # Closing drops what is left, the template too.
-        assert _databases(server, prefix) == set()
+        assert databases_named(server, prefix) == set()
     finally:
-        _drop_all(server, prefix)
+        drop_databases_named(server, prefix)
 
 
 def test_postgres_ledgers__kept__leaves_every_database_for_a_look(server: str, tmp_path: Path) -> None:
@@ -100,21 +82,21 @@ def test_postgres_ledgers__kept__leaves_every_database_for_a_look(server: str, t
         with ledgers:
             run = ledgers.fresh(tmp_path)
             ledgers.discard(run)
-        assert _databases(server, prefix) == {
+        assert databases_named(server, prefix) == {
             str(make_url(ledgers.template_url).database),
             str(make_url(run).database),
         }
     finally:
-        _drop_all(server, prefix)
+        drop_databases_named(server, prefix)
 
 
 @pytest.fixture
 def role_without_createdb(server: str) -> Iterator[str]:
     role = f"toolledger_test_{uuid.uuid4().hex[:8]}"
-    with _connect(server) as connection:
+    with connect(server) as connection:
         connection.execute(sql.SQL("CREATE ROLE {} LOGIN NOCREATEDB").format(sql.Identifier(role)))
     yield role
-    with _connect(server) as connection:
+    with connect(server) as connection:
         connection.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
@@ -136,7 +118,7 @@ def test_postgres_ledgers__role_without_createdb__is_told_what_it_needs(
     assert raised.value.param is None  # not bad usage: the check could not be made (exit 3)
 
 
-def test_throwaway_ledgers__no_server_there__says_it_could_not_connect(tmp_path: Path) -> None:
+def test_throwaway_ledgers__no_server_there__says_it_could_notconnect(tmp_path: Path) -> None:
     with pytest.raises(
         CheckError, match=r"^could not make a throwaway database on .*:1/test: connection failed"
     ):
