@@ -42,6 +42,9 @@ class CallRecord:
     """Arguments amended by the approver: what the handler receives (``arguments`` keeps
     what the model sent)."""
     approved_arguments_sha256: str | None = None
+    request_key: str | None = None
+    """The Idempotency-Key of the request the stored result goes out in, recorded before its
+    first post; None while it has never been posted. A batch's members share it."""
 
     @property
     def payload(self) -> dict[str, Any] | None:

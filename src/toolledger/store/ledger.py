@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from sqlalchemy import Select, and_, func, or_, select, tuple_
+from sqlalchemy import Select, String, and_, bindparam, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
@@ -57,6 +57,7 @@ from toolledger.store.transitions import (
     CONFIRM,
     HEARTBEAT,
     KEY_COLUMNS,
+    KEY_MATCH,
     LEASE_RAN_OUT,
     RESUBMISSION,
     SUBMISSION_FAILURE,
@@ -488,6 +489,48 @@ class LedgerStore:
         # A call marked twice at once: the first of its marks did it, as one after the other.
         return [marked.pop(mark.key, None) for mark in marks]
 
+    async def record_request(
+        self, keys: Sequence[CallKey], request_key: str, *, reason: str, replacing: str | None = None
+    ) -> list[CallRecord] | None:
+        """Record the request the stored results of ``keys`` (one session's) go out in, before
+        it is first posted: for all of them in one commit, with an event each, or for none
+        (None) when any of them is in another request already or holds no result to send any
+        more. ``replacing``: the request they were in, refused whole; None: they were in none.
+        Returns them as they are now, in the request's order (by idempotency key)."""
+        return await self.record_requests(
+            [(key, request_key) for key in keys], reason=reason, replacing=replacing
+        )
+
+    async def record_requests(
+        self, assignments: Sequence[tuple[CallKey, str]], *, reason: str, replacing: str | None = None
+    ) -> list[CallRecord] | None:
+        """``record_request`` with a request key per call, all in one commit (a batch refused
+        whole, its members moved to requests of their own at once: never half split)."""
+        update = self._statement(("record_request",), _build_record_request)
+        recorded: list[CallRecord] = []
+        try:
+            async with self._transaction() as conn:
+                for key, request_key in sorted(assignments):
+                    params = {**key_params(key), "p_request_key": request_key, "p_replacing": replacing}
+                    row = (await conn.execute(update, params)).first()
+                    if row is None:
+                        raise _NotRecorded
+                    recorded.append(call_record(row))
+                    await self._event(conn, key, "request", None, None, None, reason, detail=request_key)
+        except _NotRecorded:
+            return None
+        return sorted(recorded, key=lambda call: call.idempotency_key)
+
+    async def request_members(self, session_id: str, request_key: str) -> list[CallRecord]:
+        """The calls whose results go out in request ``request_key``, in its order."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                select(tool_calls)
+                .where(tool_calls.c.session_id == session_id, tool_calls.c.request_key == request_key)
+                .order_by(tool_calls.c.idempotency_key)
+            )
+            return [call_record(row) for row in rows]
+
     async def note_resubmission(self, key: CallKey) -> int:
         """A submitted call still awaited was sent again and accepted again: count it (and say
         so in the audit trail). Returns how many times the call has been submitted."""
@@ -798,6 +841,28 @@ class LedgerStore:
                 detail=self._audit_text(detail) if detail is not None else None,
             )
         )
+
+
+class _NotRecorded(Exception):
+    """A member of a request could not be recorded in it: the whole request is rolled back."""
+
+
+SENDABLE_STATUSES = (*sorted(RESULT_STATUSES), CallStatus.SUBMITTED)
+"""A call whose stored result may go out in a request: not sent yet, or sent and accepted
+(sent again, the request is replayed)."""
+
+
+def _build_record_request() -> Any:
+    return (
+        tool_calls.update()
+        .where(
+            KEY_MATCH,
+            tool_calls.c.status.in_([status.value for status in SENDABLE_STATUSES]),
+            tool_calls.c.request_key.is_not_distinct_from(bindparam("p_replacing", type_=String)),
+        )
+        .values(request_key=bindparam("p_request_key"), updated_at=utc_now())
+        .returning(tool_calls)
+    )
 
 
 def _executor_for(engine: AsyncEngine) -> type[LedgerStore]:

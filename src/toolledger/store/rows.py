@@ -46,6 +46,7 @@ def call_record(row: Row[Any] | Mapping[str, Any]) -> CallRecord:
         approval_decided_at=m.get("approval_decided_at"),
         approved_arguments=m.get("approved_arguments"),
         approved_arguments_sha256=m.get("approved_arguments_sha256"),
+        request_key=m.get("request_key"),
     )
 
 

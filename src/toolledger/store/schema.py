@@ -155,6 +155,9 @@ tool_calls = Table(
     Column("approval_decided_at", UtcDateTime()),
     Column("approved_arguments", StorableText),
     Column("approved_arguments_sha256", String(64)),
+    # The Idempotency-Key of the request the stored result goes out in, recorded before it is
+    # first posted (a batch's members share it): every resend replays exactly that request.
+    Column("request_key", String(64)),
     PrimaryKeyConstraint("session_id", "turn_id", "call_id"),
     CheckConstraint(f"status IN ({_STATUSES})", name="status"),
     CheckConstraint(f"effect_class IN ({_EFFECTS})", name="effect_class"),
