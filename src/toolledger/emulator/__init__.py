@@ -7,6 +7,7 @@ and the CLI (and tests and benchmarks) import it.
 """
 
 from toolledger.emulator.app import create_app
+from toolledger.emulator.behaviour import ALREADY_ANSWERED_STYLES, AlreadyAnswered, ApiBehaviour
 from toolledger.emulator.control import EmulatorControl, ReceivedToolResult
 from toolledger.emulator.faults import (
     AcceptThenDrop,
@@ -24,9 +25,12 @@ from toolledger.emulator.server import EmulatorServer, serve
 from toolledger.emulator.state import EmulatorState
 
 __all__ = [
+    "ALREADY_ANSWERED_STYLES",
     "SCRIPT_METADATA_KEY",
     "AcceptThenDrop",
     "AcceptWithoutApply",
+    "AlreadyAnswered",
+    "ApiBehaviour",
     "CloseStreams",
     "DelayRegistration",
     "DropBeforeApply",

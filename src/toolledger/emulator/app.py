@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from toolledger.emulator import wire
 from toolledger.emulator.asgi import DroppedResponse, EventStreamResponse
+from toolledger.emulator.behaviour import ApiBehaviour
 from toolledger.emulator.faults import FaultAdapter
 from toolledger.emulator.inputs import (
     AGENT_CREATE_BODY,
@@ -62,6 +63,7 @@ class FailSessionBody(BaseModel):
 SESSION_UPDATE_BODY: TypeAdapter[SessionUpdateBody] = TypeAdapter(SessionUpdateBody)
 FAIL_SESSION_BODY: TypeAdapter[FailSessionBody] = TypeAdapter(FailSessionBody)
 SCRIPT: TypeAdapter[Script] = TypeAdapter(Script)
+BEHAVIOUR: TypeAdapter[ApiBehaviour] = TypeAdapter(ApiBehaviour)
 
 
 def create_app(state: EmulatorState | None = None, *, api_key: str | None = None) -> FastAPI:
@@ -285,6 +287,15 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
     async def clear_faults() -> dict[str, bool]:
         emulator.faults.clear()
         return {"cleared": True}
+
+    @app.get("/_emulator/behaviour")
+    async def get_behaviour() -> dict[str, Any]:
+        return emulator.behaviour.model_dump()
+
+    @app.put("/_emulator/behaviour")
+    async def set_behaviour(request: Request) -> dict[str, Any]:
+        emulator.behaviour = parse(BEHAVIOUR, await read_body(request))
+        return emulator.behaviour.model_dump()
 
     @app.put("/_emulator/scripts/{name}")
     async def register_script(name: str, request: Request) -> dict[str, str]:

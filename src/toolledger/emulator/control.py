@@ -8,6 +8,7 @@ from typing import Any, Literal
 import httpx2
 from pydantic import BaseModel, TypeAdapter
 
+from toolledger.emulator.behaviour import AlreadyAnswered, ApiBehaviour, IdempotencyKeys
 from toolledger.emulator.faults import (
     AcceptThenDrop,
     AcceptWithoutApply,
@@ -35,6 +36,8 @@ class ReceivedToolResult(BaseModel):
     idempotency_key: str | None
     payload: dict[str, Any]
     received_at: float
+    request_sha256: str = ""
+    """The whole request's body hashed: equal for every post of one request."""
 
 
 _RECEIPTS: TypeAdapter[list[ReceivedToolResult]] = TypeAdapter(list[ReceivedToolResult])
@@ -76,6 +79,21 @@ class EmulatorControl:
 
     def set_script(self, session_id: str, script: Script) -> None:
         self._call("PUT", f"/sessions/{session_id}/script", script.model_dump(mode="json"))
+
+    # how the API answers where real ones differ
+    def set_behaviour(
+        self,
+        *,
+        already_answered: AlreadyAnswered = "coded",
+        idempotency_keys: IdempotencyKeys = "honoured",
+    ) -> None:
+        """How a result for a call answered already is refused, and whether Idempotency-Keys
+        are kept (``emulator.behaviour``); every session, until changed or reset."""
+        behaviour = ApiBehaviour(already_answered=already_answered, idempotency_keys=idempotency_keys)
+        self._call("PUT", "/behaviour", behaviour.model_dump())
+
+    def behaviour(self) -> ApiBehaviour:
+        return ApiBehaviour.model_validate(self._call("GET", "/behaviour"))
 
     # faults
     def arm(self, fault: Fault) -> int:

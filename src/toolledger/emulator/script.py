@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from toolledger.emulator.behaviour import AlreadyAnswered
+
 SCRIPT_METADATA_KEY = "emulator_script"
 """Session (or saved agent) metadata key that selects a script: a registered script's name,
 or the script inline as JSON."""
@@ -53,6 +55,10 @@ class Script(BaseModel):
     """Text of the final answer; by default a summary of the turn's tool results."""
     think_seconds: float = Field(default=0.0, ge=0.0, le=60.0)
     """Delay before each step and before the final answer, as a model would take."""
+    # Left out of the script's JSON when unset: a script travels in 512 characters of metadata.
+    already_answered: AlreadyAnswered | None = Field(default=None, exclude_if=lambda value: value is None)
+    """How a result for a call answered already is refused in this script's sessions (see
+    ``emulator.behaviour``); None: as the emulator's behaviour says."""
 
     @classmethod
     def of_calls(cls, *steps: list[tuple[str, Any]], final_message: str | None = None) -> Script:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from toolledger.emulator import wire
+from toolledger.emulator.behaviour import AlreadyAnswered, ApiBehaviour
 from toolledger.emulator.faults import (
     AcceptThenDrop,
     AcceptWithoutApply,
@@ -107,6 +108,23 @@ class EmulatorAPIError(Exception):
 def unknown_pending_call(call_id: str) -> EmulatorAPIError:
     # The SDK recognises the registration race by exactly this code and message.
     return EmulatorAPIError(400, f"Unknown pending tool call: {call_id}", code="invalid_request_error")
+
+
+def already_answered(style: AlreadyAnswered, turn_id: str, call_id: str) -> EmulatorAPIError:
+    """The refusal of a result for a call that has one already, in one of the ways a real API
+    might word it (``emulator.behaviour``)."""
+    if style == "worded":
+        return EmulatorAPIError(400, f"Tool call {call_id} in turn {turn_id} has already been answered.")
+    if style == "conflict":
+        return EmulatorAPIError(409, f"A result for tool call {call_id} was already received.")
+    if style == "unknown_pending":
+        return unknown_pending_call(call_id)
+    return EmulatorAPIError(
+        400,
+        f"Tool call {call_id} of turn {turn_id} already has a result.",
+        code="tool_result_already_submitted",
+        param="call_id",
+    )
 
 
 class StreamEnd(Enum):
@@ -267,6 +285,9 @@ class ToolResultReceipt:
     idempotency_key: str | None
     payload: dict[str, Any]
     received_at: float
+    request_sha256: str = ""
+    """The whole request's body (with its session), hashed: the same for every post of one
+    request, whoever sent it."""
 
     def json(self) -> dict[str, Any]:
         return {
@@ -278,6 +299,7 @@ class ToolResultReceipt:
             "idempotency_key": self.idempotency_key,
             "payload": self.payload,
             "received_at": self.received_at,
+            "request_sha256": self.request_sha256,
         }
 
 
@@ -307,6 +329,7 @@ class EmulatorState:
         self.scripts: dict[str, Script] = dict(self._startup_scripts)
         self.default_script = self._startup_default
         self.faults = FaultBoard()
+        self.behaviour = ApiBehaviour()
         self.receipts: list[ToolResultReceipt] = []
         self._idempotent: dict[str, _StoredResponse] = {}
         self._seq = itertools.count()
@@ -491,9 +514,13 @@ class EmulatorState:
         """Apply an events POST: whole, or not at all."""
         session = self.session(session_id)
         results = [e for e in body.events if isinstance(e, ToolResultInput)]
+        fingerprint = hashlib.sha256(session_id.encode() + b"\0" + raw).hexdigest()
+
+        def record(outcome: str, reason: str | None) -> None:
+            self._record(session_id, results, outcome, reason, idempotency_key, fingerprint)
 
         def reject(reason: str) -> None:
-            self._record(session_id, results, "rejected", reason, idempotency_key)
+            record("rejected", reason)
 
         failing = self.faults.take_if(
             FailSubmissions, session_id, lambda f: bool(results) or not f.only_tool_results
@@ -512,8 +539,8 @@ class EmulatorState:
                 headers=headers,
             )
 
-        fingerprint = hashlib.sha256(session_id.encode() + b"\0" + raw).hexdigest()
-        if idempotency_key is not None and idempotency_key in self._idempotent:
+        keys_kept = self.behaviour.idempotency_keys == "honoured"
+        if keys_kept and idempotency_key is not None and idempotency_key in self._idempotent:
             stored = self._idempotent[idempotency_key]
             if stored.fingerprint != fingerprint:
                 reject("idempotency key reused with a different request")
@@ -523,15 +550,15 @@ class EmulatorState:
                     "they were first used with.",
                     code="idempotency_key_reused",
                 )
-            self._record(session_id, results, "replayed", None, idempotency_key)
+            record("replayed", None)
             return Submission(SubmissionOutcome.ANSWER, stored.status)
 
         if results and self.faults.take(DropBeforeApply, session_id) is not None:
             reject("injected connection drop before applying")
             return Submission(SubmissionOutcome.DROP)
         if results and self.faults.take(AcceptWithoutApply, session_id) is not None:
-            self._record(session_id, results, "lost", "injected: answered 202, not applied", idempotency_key)
-            if idempotency_key is not None:
+            record("lost", "injected: answered 202, not applied")
+            if keys_kept and idempotency_key is not None:
                 self._idempotent[idempotency_key] = _StoredResponse(fingerprint, 202)
             return Submission(SubmissionOutcome.ANSWER)
         if results and self.faults.take(UnknownPending, session_id) is not None:
@@ -545,8 +572,8 @@ class EmulatorState:
             raise
         for input_event in body.events:
             self._apply(session, input_event)
-        self._record(session_id, results, "accepted", None, idempotency_key)
-        if idempotency_key is not None:
+        record("accepted", None)
+        if keys_kept and idempotency_key is not None:
             self._idempotent[idempotency_key] = _StoredResponse(fingerprint, 202)
         session.last_active_at = wire.now()
         if results and self.faults.take(AcceptThenDrop, session_id) is not None:
@@ -582,12 +609,8 @@ class EmulatorState:
     def _check_tool_result(self, session: Session, result: ToolResultInput, answered: set[str]) -> None:
         call = self._find_call(session, result.turn_id, result.call_id)
         if call is not None and (call.result is not None or call.call_id in answered):
-            raise EmulatorAPIError(
-                400,
-                f"Tool call {result.call_id} of turn {result.turn_id} already has a result.",
-                code="tool_result_already_submitted",
-                param="call_id",
-            )
+            style = self._script(session).already_answered or self.behaviour.already_answered
+            raise already_answered(style, result.turn_id, result.call_id)
         active = session.active
         if call is None or not call.registered or active is None or call.turn_id != active.id:
             raise unknown_pending_call(result.call_id)
@@ -614,6 +637,7 @@ class EmulatorState:
         outcome: str,
         reason: str | None,
         idempotency_key: str | None,
+        request_sha256: str,
     ) -> None:
         for result in results:
             self.receipts.append(
@@ -626,6 +650,7 @@ class EmulatorState:
                     idempotency_key=idempotency_key,
                     payload=result.model_dump(mode="json", exclude_unset=True),
                     received_at=time.time(),
+                    request_sha256=request_sha256,
                 )
             )
 
@@ -936,6 +961,7 @@ class EmulatorState:
         self.scripts = dict(self._startup_scripts)
         self.default_script = self._startup_default
         self.faults.clear()
+        self.behaviour = ApiBehaviour()
         self.receipts.clear()
         self._idempotent.clear()
 
