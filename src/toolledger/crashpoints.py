@@ -21,6 +21,12 @@ CP_AFTER_HANDLER = "after_handler"
 (when it succeeded) or already rolled back (when it failed)."""
 CP_AFTER_RESULT_COMMIT = "after_result_commit"
 """The result is stored (``succeeded``/``failed``); nothing was submitted."""
+CP_AFTER_REQUEST_RECORD = "after_request_record"
+"""The request a stored result goes out in (its Idempotency-Key; a batch's members) is
+recorded; it has not been posted."""
+CP_AFTER_SUBMIT_REFUSED = "after_submit_refused"
+"""A request of stored results was not taken by the Agents API (refused, or failing past the
+retries); the session has not been read to decide what became of its calls."""
 CP_SUBMIT_ACCEPTED = "submit_accepted"
 """The Agents API answered a submission with 2xx (it applied it); the answer has not reached
 the code that submitted."""
@@ -53,6 +59,8 @@ ALL_POINTS = frozenset(
         CP_AFTER_CLAIM_COMMIT,
         CP_AFTER_HANDLER,
         CP_AFTER_RESULT_COMMIT,
+        CP_AFTER_REQUEST_RECORD,
+        CP_AFTER_SUBMIT_REFUSED,
         CP_SUBMIT_ACCEPTED,
         CP_AFTER_SUBMIT_RESPONSE,
         CP_BATCH_SUBMIT_ACCEPTED,

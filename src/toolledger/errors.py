@@ -38,19 +38,24 @@ class RegistryError(ToolLedgerError):
 
 
 class SubmissionError(ToolLedgerError):
-    """The Agents API refused a result for good, or kept failing past the retry policy.
+    """The Agents API did not take a request of results, for good or past the retry policy.
 
-    ``kind``: ``retryable`` (a later resubmission may succeed), ``not_pending`` (the session
-    does not await this call), ``already_answered`` (the session holds a result for it),
-    ``session_gone`` or ``refused`` (any other refusal): a ``SubmissionFailure``, as the
-    gateway classified it.
+    ``kind``: the last try's failure as the gateway classified it by its HTTP status alone
+    (``retryable``, ``not_pending``: the SDK-documented registration race, ``session_gone``,
+    ``refused``). What became of the calls is never read from it: the session's state
+    decides (``runtime.submitter``).
+
+    ``maybe_applied``: some try may have been applied by the API although its answer was
+    not a success (a transport error, a timeout, a 5xx). False: every try was answered with
+    a refusal (4xx), so the request was not applied.
     """
 
     code = "submission_failed"
 
-    def __init__(self, message: str, *, kind: SubmissionFailure) -> None:
+    def __init__(self, message: str, *, kind: SubmissionFailure, maybe_applied: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        self.maybe_applied = maybe_applied
 
     @property
     def retryable(self) -> bool:
@@ -62,8 +67,8 @@ class SessionGoneError(SubmissionError):
 
     code = "session_gone"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, kind=SubmissionFailure.SESSION_GONE)
+    def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
+        super().__init__(message, kind=SubmissionFailure.SESSION_GONE, maybe_applied=maybe_applied)
 
 
 class TransactionLostError(ToolLedgerError):

@@ -15,12 +15,12 @@ import pytest
 from toolledger.domain.submissions import SubmissionFailure
 from toolledger.errors import SessionGoneError, SubmissionError
 from toolledger.gateway.classify import (
-    ALREADY_ANSWERED_CODE,
     PENDING_RACE_CODE,
     PENDING_RACE_PREFIX,
     classify,
     describe,
     is_pending_race,
+    maybe_applied,
     retry_after_seconds,
 )
 
@@ -95,10 +95,35 @@ def test_the_pending_race_needs_a_text_message() -> None:
     assert classify(error) is SubmissionFailure.REFUSED
 
 
-def test_already_answered() -> None:
-    error = status_error(400, {"code": ALREADY_ANSWERED_CODE, "message": "already submitted"})
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"code": "tool_result_already_submitted", "message": "Tool call call_1 already has a result."},
+        {"message": "Tool call call_1 in turn turn_1 has already been answered."},
+    ],
+    ids=["coded", "worded"],
+)
+def test_an_already_answered_refusal__is_a_refusal_like_any_other(body: dict[str, str]) -> None:
+    """No code or wording the SDK does not document decides anything: the session's state does."""
+    assert classify(status_error(400, body), "call_1") is SubmissionFailure.REFUSED
 
-    assert classify(error, "call_1") is SubmissionFailure.ALREADY_ANSWERED
+
+@pytest.mark.parametrize(
+    ("error", "applied"),
+    [
+        (openai.APIConnectionError(request=REQUEST), True),
+        (openai.APITimeoutError(request=REQUEST), True),
+        (status_error(500), True),
+        (status_error(503, {"message": "busy"}), True),
+        (status_error(400, {"message": "no"}), False),
+        (status_error(409, {"message": "conflict"}), False),
+        (status_error(429, {"message": "slow"}), False),
+        (race(), False),
+    ],
+    ids=["connection", "timeout", "500", "503", "400", "409", "429", "race"],
+)
+def test_maybe_applied__only_when_no_refusal_came_back(error: openai.OpenAIError, applied: bool) -> None:
+    assert maybe_applied(error) is applied
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 413, 422])

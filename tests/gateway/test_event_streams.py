@@ -91,7 +91,7 @@ async def test_stream__asked_for_some_types__yields_only_those(emulator: Emulato
                         "success": True,
                         "output": "charged",
                     }
-                    await gateway.submit_tool_result(session_id, result, f"key-{action.call_id}")
+                    await gateway.submit_tool_results(session_id, [result], f"key-{action.call_id}")
                 if event.type == "agent.session.turn.completed":
                     break
     finally:

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from tests.runtime.crash_tools import effects, registry
 from tests.runtime.crash_worker import LEASE_SECONDS
 from tests.support.executor_harness import pending_actions, running_ledger
+from tests.support.history import answered_then_sent_again
 from tests.support.paths import ROOT
 from toolledger import crashpoints as cp
 from toolledger.domain.keys import CallKey
@@ -62,11 +63,17 @@ MATRIX: dict[tuple[str, str], Expected] = {
     ("at_most_once_tool", cp.CP_AFTER_RESULT_COMMIT): Expected(1, CallStatus.SUBMITTED, 1),
     ("idempotent_tool", cp.CP_AFTER_RESULT_COMMIT): Expected(1, CallStatus.SUBMITTED, 1),
     ("transactional_tool", cp.CP_AFTER_RESULT_COMMIT): Expected(1, CallStatus.SUBMITTED, 1),
-    # Accepted by the API, `submitted` not written: the resubmission is an idempotent replay.
+    # Its request recorded, not posted: posted as recorded, once, never re-run.
+    ("at_most_once_tool", cp.CP_AFTER_REQUEST_RECORD): Expected(1, CallStatus.SUBMITTED, 1),
+    ("idempotent_tool", cp.CP_AFTER_REQUEST_RECORD): Expected(1, CallStatus.SUBMITTED, 1),
+    # Accepted by the API, its answer not read or `submitted` not written: the session no
+    # longer lists the call, so it is confirmed from the session's state and not sent again.
+    ("at_most_once_tool", cp.CP_SUBMIT_ACCEPTED): Expected(1, CallStatus.SUBMITTED, 1),
     ("at_most_once_tool", cp.CP_AFTER_SUBMIT_RESPONSE): Expected(1, CallStatus.SUBMITTED, 1),
     ("idempotent_tool", cp.CP_AFTER_SUBMIT_RESPONSE): Expected(1, CallStatus.SUBMITTED, 1),
     ("transactional_tool", cp.CP_AFTER_SUBMIT_RESPONSE): Expected(1, CallStatus.SUBMITTED, 1),
 }
+ACCEPTED_BEFORE_THE_CRASH = (cp.CP_SUBMIT_ACCEPTED, cp.CP_AFTER_SUBMIT_RESPONSE)
 
 ON_POSTGRES = {
     ("at_most_once_tool", cp.CP_INSIDE_HANDLER),
@@ -74,6 +81,8 @@ ON_POSTGRES = {
     ("transactional_tool", cp.CP_AFTER_HANDLER),
     ("maybe_executed_tool", cp.CP_AFTER_HANDLER),
     ("at_most_once_tool", cp.CP_AFTER_RESULT_COMMIT),
+    ("idempotent_tool", cp.CP_AFTER_REQUEST_RECORD),
+    ("at_most_once_tool", cp.CP_SUBMIT_ACCEPTED),
 }
 
 
@@ -158,9 +167,15 @@ async def test_sigkill_at_crash_point__recovery_keeps_the_guarantees(
         lines = effects_file.read_text().splitlines()
         invocations = len(lines)
         assert {line.split()[1] for line in lines} <= {key.idempotency_key}, "every run used the call's key"
-    accepted = [r for r in emulator.control.tool_results(session_id) if r.outcome == "accepted"]
+    received = emulator.control.tool_results(session_id)
+    accepted = [r for r in received if r.outcome == "accepted"]
+    assert answered_then_sent_again(received) == [], "a resend is the same request"
+    if point in ACCEPTED_BEFORE_THE_CRASH:
+        assert received == accepted, "confirmed from the session's state, not sent again"
 
     assert call is not None
+    if point == cp.CP_AFTER_REQUEST_RECORD:
+        assert [r.idempotency_key for r in received] == [call.request_key], "posted as it was recorded"
     assert (invocations, call.status, len(accepted)) == (
         expected.invocations,
         expected.status,

@@ -22,7 +22,7 @@ from tests.support.workload import AT_MOST_ONCE_TOOLS, EVERY_CLASS_CALLS, read_e
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.states import CallStatus
-from toolledger.emulator import EmulatorServer
+from toolledger.emulator import EmulatorServer, ReceivedToolResult
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.schema import tool_calls
@@ -177,6 +177,10 @@ async def assert_history(
             json.dumps(r.payload, sort_keys=True)
         )
     assert all(len(p) == 1 for p in payloads.values()), "a result changed between submissions"
+    sent_again = answered_then_sent_again(received)
+    assert not sent_again, "answered, then sent again in another request:\n" + "\n".join(
+        map(str, sent_again[:10])
+    )
     rows = await refund_rows(database_url)
     trails = await _trails(database_url, list(calls))
     # A call whose every attempt was cut off by a kill is given up after max_attempts: it is
@@ -224,12 +228,33 @@ async def assert_history(
     return {
         "calls": len(calls),
         "answered": len(accepted),
+        "answered_then_sent_again": len(sent_again),
+        "replays_of_answered": sum(1 for r in received if r.outcome == "replayed"),
         "unknown": unknown,
         "at_most_once_duplicates": duplicates,
         "lost": len(calls) - len(accepted) - unknown,
         "effects": len(effects),
         "given_up": len(given_up),
     }
+
+
+def answered_then_sent_again(received: list[ReceivedToolResult]) -> list[ReceivedToolResult]:
+    """Submissions of a call after it was answered that are not a replay of the request that
+    answered it (the same Idempotency-Key and the same body), in the order received. A resend
+    is the same request: whatever the API makes of a replay (it may refuse one, if it keeps no
+    keys), a second, different request for an answered call must never be sent."""
+    answered_by: dict[tuple[str, str, str], ReceivedToolResult] = {}
+    again: list[ReceivedToolResult] = []
+    for receipt in received:
+        key = (receipt.session_id, receipt.turn_id, receipt.call_id)
+        first = answered_by.get(key)
+        if first is None:
+            if receipt.outcome == "accepted":
+                answered_by[key] = receipt
+            continue
+        if (receipt.idempotency_key, receipt.request_sha256) != (first.idempotency_key, first.request_sha256):
+            again.append(receipt)
+    return again
 
 
 async def _trails(database_url: str, keys: list[CallKey]) -> dict[CallKey, list[CallEvent]]:

@@ -31,7 +31,7 @@ from toolledger.errors import (
     StreamInterruptedError,
     SubmissionError,
 )
-from toolledger.gateway.classify import classify, describe, retry_after_seconds
+from toolledger.gateway.classify import classify, describe, maybe_applied, retry_after_seconds
 
 FunctionCallAction = RequiredActionSessionRequiredActionResourceFunctionCall
 _NO_TYPED_EVENTS: tuple[SessionInputParamAgentSessionInputToolResult, ...] = ()
@@ -113,44 +113,28 @@ class AgentsGateway:
         """The client whose pool holds ``session_id``'s event stream (always the same one)."""
         return self.stream_clients[zlib.crc32(session_id.encode()) % len(self.stream_clients)]
 
-    async def submit_tool_result(
-        self,
-        session_id: str,
-        payload: dict[str, Any],
-        idempotency_key: str,
-        *,
-        expect_pending: bool = True,
-    ) -> None:
-        """Send a stored result; every try carries the same body and Idempotency-Key.
-
-        ``expect_pending``: the call was listed in ``required_actions`` a moment ago, so an
-        "Unknown pending tool call" answer is the registration race and worth a few retries.
-        When it was not listed, that answer is final.
-
-        Raises SessionGoneError when the session is gone, SubmissionError otherwise (its
-        ``kind`` says whether a later resubmission may still succeed).
-        """
-        await self.submit_tool_results(session_id, [payload], idempotency_key, expect_pending=expect_pending)
-
     async def submit_tool_results(
-        self,
-        session_id: str,
-        payloads: Sequence[dict[str, Any]],
-        idempotency_key: str,
-        *,
-        expect_pending: bool = True,
+        self, session_id: str, payloads: Sequence[dict[str, Any]], idempotency_key: str
     ) -> None:
-        """``submit_tool_result`` for several results of one session in ONE request: the API
-        applies it whole or not at all. A refusal names no call of its own when there are
-        several (``classify`` then looks at any call)."""
+        """Send stored results of one session in ONE request (the API applies it whole or not
+        at all); every try carries the same body and Idempotency-Key. Transport errors,
+        timeouts, 408, 409, 429 and 5xx are tried again, and so, a few times, is the answer
+        the SDK documents for its registration race (a call just announced, not registered
+        yet): the SDK's own helper does the same.
+
+        Raises SessionGoneError on 404, SubmissionError otherwise; either says whether any
+        try may have been applied (``maybe_applied``). What became of the calls is not
+        decided here: the session's state says (``runtime.submitter``).
+        """
         call_id = payloads[0].get("call_id") if len(payloads) == 1 else None
         races = 0
+        applied_maybe = False
 
         def should_retry(error: BaseException) -> bool:
-            nonlocal races
+            nonlocal races, applied_maybe
+            applied_maybe = applied_maybe or maybe_applied(error)
             kind = classify(error, call_id)
-            if kind is SubmissionFailure.NOT_PENDING and expect_pending:
-                # Listed a moment ago: the service has not registered the call yet.
+            if kind is SubmissionFailure.NOT_PENDING:
                 races += 1
                 retry = races < self._race_attempts
             else:
@@ -182,11 +166,13 @@ class AgentsGateway:
             # Not these results' fault: nothing is recorded against the calls.
             raise _auth_error(error) from error
         except openai.OpenAIError as error:
+            # The last try's error was seen by should_retry too (tenacity asks before it stops).
             kind = classify(error, call_id)
             if kind is SubmissionFailure.SESSION_GONE:
-                raise SessionGoneError(f"session {session_id} not found") from error
-            # Still "not pending" after the race retries while listed: the next reconcile decides.
-            raise SubmissionError(describe(error), kind=kind) from error
+                raise SessionGoneError(
+                    f"session {session_id} not found", maybe_applied=applied_maybe
+                ) from error
+            raise SubmissionError(describe(error), kind=kind, maybe_applied=applied_maybe) from error
 
     def _wait(self, state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None

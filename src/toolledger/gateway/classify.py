@@ -8,7 +8,9 @@ from toolledger.domain.submissions import SubmissionFailure
 
 PENDING_RACE_CODE = "invalid_request_error"
 PENDING_RACE_PREFIX = "Unknown pending tool call: "
-ALREADY_ANSWERED_CODE = "tool_result_already_submitted"
+"""The SDK's own helper (``openai.lib.streaming.agents._tools.is_pending_call_race``) matches
+exactly this code and message: the one refusal whose words the SDK documents. Nothing else
+in an error's body is read to decide anything."""
 
 
 def classify(error: BaseException, call_id: str | None = None) -> SubmissionFailure:
@@ -23,8 +25,6 @@ def classify(error: BaseException, call_id: str | None = None) -> SubmissionFail
             return SubmissionFailure.SESSION_GONE
         if status == 400 and is_pending_race(error, call_id):
             return SubmissionFailure.NOT_PENDING
-        if status == 400 and _error_code(error) == ALREADY_ANSWERED_CODE:
-            return SubmissionFailure.ALREADY_ANSWERED
         return SubmissionFailure.REFUSED
     return SubmissionFailure.REFUSED
 
@@ -39,9 +39,15 @@ def is_pending_race(error: openai.APIStatusError, call_id: str | None) -> bool:
     )
 
 
-def _error_code(error: openai.APIStatusError) -> object:
-    body = error.body if isinstance(error.body, dict) else {}
-    return body.get("code")
+def maybe_applied(error: BaseException) -> bool:
+    """Whether the API may have applied a request that ended in ``error``: its answer never
+    came (a transport error, a timeout) or was a server error. A 4xx is a refusal: the
+    request was not applied."""
+    if isinstance(error, openai.APIConnectionError):
+        return True
+    if isinstance(error, openai.APIStatusError):
+        return error.status_code >= 500
+    return True
 
 
 def retry_after_seconds(error: BaseException) -> float | None:

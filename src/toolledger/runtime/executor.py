@@ -11,6 +11,7 @@ next, pure), the handler runner (``handler_runner``: the application's code), th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ LEASE_WAKE_MARGIN = 0.25
 """Seconds past a lease's expiry before looking again: the expiry is compared on the
 database's clock, and a look exactly at the expiry could find it a hair short."""
 ASKED_REMEMBERED = 10_000
+RECOVERY_SESSIONS_AT_ONCE = 16
+"""Sessions whose stored results ``recover`` reads and resends at once."""
 
 
 @dataclass(frozen=True)
@@ -219,9 +222,22 @@ class Executor:
         crash_point(CP_DURING_RECOVERY)
         for call in await self.store.in_states([CallStatus.UNKNOWN, CallStatus.PENDING]):
             report.actions[(await self._continue(call)).action.value] += 1
+        # Stored results are sent only while their sessions await them: each session is read
+        # first, and its awaited results go out together (in the requests they were recorded in).
+        by_session: dict[str, list[CallRecord]] = {}
         for call in await self.store.in_states(RESULT_STATUSES):
-            outcome = await self.submit(call)
-            report.actions["resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"] += 1
+            by_session.setdefault(call.key.session_id, []).append(call)
+        slots = asyncio.Semaphore(RECOVERY_SESSIONS_AT_ONCE)
+
+        async def resubmit(session_id: str, calls: list[CallRecord]) -> dict[CallKey, SubmitOutcome]:
+            async with slots:
+                return await self.submitter.submit_awaited(session_id, calls)
+
+        for outcomes in await asyncio.gather(*(resubmit(s, calls) for s, calls in by_session.items())):
+            for outcome in outcomes.values():
+                report.actions[
+                    "resubmitted" if outcome is SubmitOutcome.SUBMITTED else f"submit_{outcome}"
+                ] += 1
         return report
 
     async def gone_owners(self) -> frozenset[str]:
@@ -243,10 +259,10 @@ class Executor:
             return report
 
     async def submit(self, call: CallRecord, *, listed: bool = True) -> SubmitOutcome:
-        """Send the stored result, byte for byte, with the call's stable Idempotency-Key.
+        """Send the stored result in the request recorded for it (``runtime.submitter``).
 
-        ``listed``: the call was in the session's ``required_actions`` just now. A call that
-        was not is abandoned if the session refuses it as not pending.
+        ``listed``: the call was in the session's ``required_actions`` just now. False: the
+        session is read first, and the result sent only if it still awaits the call.
         """
         return await self.submitter.submit(call, listed=listed)
 

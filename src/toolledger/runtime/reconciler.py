@@ -5,9 +5,10 @@ order, so a call recorded meanwhile is never mistaken for one the session stoppe
 then
 - run every listed ``function_call`` through the executor: a call never seen is executed, a
   stored result is resubmitted, an ``unknown`` one is settled by its effect class;
-- for open calls no longer listed: confirm submitted ones, resubmit stored results (an
-  accepted-then-dropped submission is answered from the API's idempotency record; one the
-  session refuses is abandoned), abandon what nobody awaits any more;
+- for open calls no longer listed: confirm submitted ones; never send a stored result: it is
+  confirmed when a request carrying it went out (taken as answered by it), abandoned when
+  none did (a call recorded moments ago is looked at again instead: the session may not list
+  it yet); abandon what nobody awaits any more;
 - a failed or deleted session: abandon its unanswered calls and stop watching it.
 Required actions of other kinds (MCP or computer-use approvals, environment connections)
 are not ours: they are left alone and logged once.
@@ -30,14 +31,9 @@ from toolledger.domain.states import RESULT_STATUSES, CallStatus
 from toolledger.errors import SessionGoneError
 from toolledger.gateway.agents import AgentsGateway, FunctionCallAction
 from toolledger.logs import log_fields
-from toolledger.runtime.executor import (
-    LEASE_WAKE_MARGIN,
-    Executor,
-    HandleReport,
-    SubmitOutcome,
-    submission_backoff,
-)
+from toolledger.runtime.executor import LEASE_WAKE_MARGIN, Executor, HandleReport
 from toolledger.runtime.loop_logging import log_failure
+from toolledger.runtime.submitter import LISTING_RACE_SECONDS, UNLISTED_REASON, Unlisted
 from toolledger.store.sessions import SessionStore
 
 log = logging.getLogger("toolledger.reconciler")
@@ -256,20 +252,19 @@ class Reconciler:
         if call.status is CallStatus.SUBMITTED:
             return "confirmed" if await store.mark_confirmed(call.key) else "raced"
         if call.status in RESULT_STATUSES:
-            outcome = await self.executor.submit(call, listed=False)
-            if outcome is SubmitOutcome.SUBMITTED:
-                # Accepted though not listed: the earlier submission had landed.
-                await store.mark_confirmed(call.key)
-                return "resubmitted"
-            if outcome is SubmitOutcome.FAILED:
-                result.retry_after(submission_backoff(call))
-            return "abandoned" if outcome is SubmitOutcome.ABANDONED else "submit_failed"
+            # Never sent again: confirmed if a request carrying it went out, else abandoned.
+            fate = await self.executor.submitter.close_unlisted(
+                call, may_have_landed=call.request_key is not None, session_status=result.status
+            )
+            if fate is Unlisted.AWAITING_LISTING:
+                result.retry_after(LISTING_RACE_SECONDS)
+            return fate.value
         if call.status is CallStatus.RUNNING and not await self.executor.take_over(call):
             # Nobody awaits it, but it is open until its run ends or its lease runs out.
             wait = await store.lease_remaining(call.key)
             result.retry_after(None if wait is None else wait + LEASE_WAKE_MARGIN)
             return "running_elsewhere"
-        abandoned = await store.abandon(call.key, "no longer awaited by the session")
+        abandoned = await store.abandon(call.key, UNLISTED_REASON)
         return "abandoned" if abandoned is not None else "raced"
 
     async def _stop(

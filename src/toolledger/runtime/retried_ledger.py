@@ -125,6 +125,25 @@ class RetriedLedger:
                 return await self.store.mark_unknown(key, token, reason=doubt.reason, detail=doubt.detail)
         raise AssertionError("unreachable: the retry policy re-raises")
 
+    async def record_request(
+        self, keys: Sequence[CallKey], request_key: str, *, reason: str, replacing: str | None = None
+    ) -> list[CallRecord] | None:
+        """Record the request stored results go out in, before its first post (see
+        ``LedgerStore.record_request``). A retry after an ambiguous commit finds them in a
+        request already and gets None: the caller reads which one, as after any lost race."""
+        return await self.record_requests(
+            [(key, request_key) for key in keys], reason=reason, replacing=replacing
+        )
+
+    async def record_requests(
+        self, assignments: Sequence[tuple[CallKey, str]], *, reason: str, replacing: str | None = None
+    ) -> list[CallRecord] | None:
+        """``record_request`` with a request key per call, in one commit."""
+        async for attempt in self.retrying():
+            with attempt:
+                return await self.store.record_requests(assignments, reason=reason, replacing=replacing)
+        raise AssertionError("unreachable: the retry policy re-raises")
+
     async def mark_submitted(self, key: CallKey) -> None:
         """Commit point 3: the Agents API accepted the result."""
         async for attempt in self.retrying():
