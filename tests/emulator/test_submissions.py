@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import httpx2
 import openai
 import pytest
 from openai import OpenAI
 
 from tests.emulator.session_driver import first_pending_call, new_session, start_turn, submit, tool_result
-from toolledger.emulator import EmulatorServer, Script
+from toolledger.emulator import AlreadyAnswered, ApiBehaviour, EmulatorServer, Script
 
 ONE_CALL = Script.of_calls([("charge_card", {"cents": 100})])
 
@@ -123,3 +124,105 @@ def test_failure_result__is_recorded_with_its_error(client: OpenAI, emulator: Em
     assert receipt.outcome == "accepted"
     assert receipt.payload["success"] is False
     assert receipt.payload["error"] == "card declined"
+
+
+# ----------------------------------------------- where real APIs answer their own way
+
+
+@pytest.mark.parametrize(
+    ("style", "status", "code", "words"),
+    [
+        ("coded", 400, "tool_result_already_submitted", "already has a result"),
+        ("worded", 400, None, "has already been answered"),
+        ("conflict", 409, None, "was already received"),
+        ("unknown_pending", 400, "invalid_request_error", "Unknown pending tool call: "),
+    ],
+)
+def test_an_answered_call__is_refused_in_the_wording_the_behaviour_names(
+    client: OpenAI,
+    emulator: EmulatorServer,
+    style: AlreadyAnswered,
+    status: int,
+    code: str | None,
+    words: str,
+) -> None:
+    emulator.control.set_behaviour(already_answered=style)
+    session_id = new_session(client, Script.of_calls([("charge_card", {}), ("send_receipt", {})]))
+    start_turn(client, session_id)
+    action = first_pending_call(client, session_id)
+    submit(client, session_id, action, output="once")
+
+    with pytest.raises(openai.APIStatusError) as caught:
+        submit(client, session_id, action, output="twice")
+
+    assert caught.value.status_code == status
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body.get("code") == code
+    assert words in caught.value.body["message"]
+    assert [r.outcome for r in emulator.control.tool_results(session_id)] == ["accepted", "rejected"]
+
+
+def test_a_scripts_wording__wins_over_the_emulators_for_its_sessions(
+    client: OpenAI, emulator: EmulatorServer
+) -> None:
+    emulator.control.set_behaviour(already_answered="conflict")
+    script = Script.of_calls([("charge_card", {}), ("send_receipt", {})]).model_copy(
+        update={"already_answered": "worded"}
+    )
+    session_id = new_session(client, script)
+    start_turn(client, session_id)
+    action = first_pending_call(client, session_id)
+    submit(client, session_id, action, output="once")
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        submit(client, session_id, action, output="twice")
+
+    assert isinstance(caught.value.body, dict)
+    assert "has already been answered" in caught.value.body["message"]
+    assert emulator.control.behaviour() == ApiBehaviour(already_answered="conflict")
+
+
+def test_idempotency_keys_ignored__a_repeat_is_applied_anew_and_refused_once_answered(
+    client: OpenAI, emulator: EmulatorServer
+) -> None:
+    """As an API that keeps no keys: the same request twice is two requests to it."""
+    emulator.control.set_behaviour(idempotency_keys="ignored")
+    session_id = new_session(client, ONE_CALL)
+    start_turn(client, session_id)
+    action = first_pending_call(client, session_id)
+    submit(client, session_id, action, output="charged", key="key-1")
+
+    with pytest.raises(openai.BadRequestError):
+        submit(client, session_id, action, output="charged", key="key-1")
+
+    receipts = emulator.control.tool_results(session_id)
+    assert [r.outcome for r in receipts] == ["accepted", "rejected"]
+    assert receipts[0].request_sha256 == receipts[1].request_sha256, "one request, posted twice"
+
+
+def test_request_hash__the_same_for_a_replay_and_another_for_another_body(
+    client: OpenAI, emulator: EmulatorServer
+) -> None:
+    session_id = new_session(client, Script.of_calls([("charge_card", {}), ("send_receipt", {})]))
+    start_turn(client, session_id)
+    action = first_pending_call(client, session_id)
+    submit(client, session_id, action, output="once", key="key-a")
+    submit(client, session_id, action, output="once", key="key-a")
+    with pytest.raises(openai.BadRequestError):
+        submit(client, session_id, action, output="other", key="key-b")
+
+    first, replay, other = emulator.control.tool_results(session_id)
+    assert (first.outcome, replay.outcome, other.outcome) == ("accepted", "replayed", "rejected")
+    assert first.request_sha256 == replay.request_sha256 != other.request_sha256
+    assert len(first.request_sha256) == 64
+
+
+def test_behaviour__refuses_what_it_does_not_know_and_a_reset_restores_it(emulator: EmulatorServer) -> None:
+    with httpx2.Client() as http:
+        url = emulator.base_url.removesuffix("/v1") + "/_emulator/behaviour"
+        refused = http.put(url, json={"already_answered": "shrug"})
+        assert refused.status_code == 400
+        assert http.put(url, json={"idempotency_keys": "ignored"}).status_code == 200
+    assert emulator.control.behaviour() == ApiBehaviour(idempotency_keys="ignored")
+    emulator.control.reset()
+    assert emulator.control.behaviour() == ApiBehaviour()
