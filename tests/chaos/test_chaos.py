@@ -7,13 +7,19 @@ every call answered exactly once with one unchanging payload, or `unknown` (at_m
 only, never answered); no at_most_once or verified handler ran twice; transactional rows
 exactly once; audit trails complete and ordered.
 
+Each trial also draws how the API answers where real ones differ (``emulator.behaviour``):
+the refusal of a result for an answered call in one of its four wordings, and Idempotency-Keys
+kept or ignored; and, half the time, submissions whose answers are lost (accepted, then the
+connection dropped) so that their retries meet that refusal. The history then also fails any
+second, non-replayed submission of an answered call.
+
 It also reports, per trial, the longest wait from the restart after the kill until the calls
 open at the kill were answered, and the max, p50 and p99 of those over the trials (a figure,
 not asserted; see tests/chaos/waits.py for what is counted).
 
-CI runs a few trials; the long run is by hand:
+CI runs a few trials on each database; the long run is by hand, one database at a time:
 
-    .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json --timeout 0 -s
+    .venv/bin/pytest -m chaos --trials 1000 --chaos-report chaos.json --timeout 0 -s -k postgresql
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from tests.support.serve_process import ServeProcess
 from tests.support.workload import EVERY_CLASS_CALLS, every_class_script, start_sessions
 from toolledger import crashpoints as cp
 from toolledger.domain.states import CallStatus
-from toolledger.emulator import EmulatorServer
+from toolledger.emulator import ALREADY_ANSWERED_STYLES, EmulatorServer
+from toolledger.emulator.behaviour import IdempotencyKeys
 from toolledger.store.engine import create_engine
 from toolledger.store.sessions import SessionStore
 
@@ -56,6 +63,7 @@ async def run_trials(
     started = time.monotonic()
     session_ids: list[str] = []
     kills = crash_points = 0
+    behaviours: Counter[str] = Counter()
     waits = KillWaits()
     engine = create_engine(database_url)
     try:
@@ -71,6 +79,7 @@ async def run_trials(
                 # As an application would: stop watching sessions whose work is done, so the
                 # service follows what is live, not the whole history.
                 await unwatch_finished(emulator, database_url, sessions, session_ids)
+            behaviours[draw_api_behaviour(chance, emulator)] += 1
             inside = chance.random() < 0.5
             crash_at = f"{chance.choice(INSIDE_POINTS)}@{chance.randint(1, 4)}" if inside else None
             killed = False
@@ -101,13 +110,44 @@ async def run_trials(
     return {
         "trials": trials,
         "seed": seed,
+        "database": "sqlite" if database_url.startswith("sqlite") else "postgresql",
         "kills": kills,
         "kills_at_crash_points": crash_points,
         "sessions": len(session_ids),
         **figures,
+        "trials_by_api_behaviour": dict(sorted(behaviours.items())),
+        "replays_of_answered_refused": refused_replays(emulator, session_ids),
         "seconds": round(time.monotonic() - started, 1),
         **waits.figures(emulator),
     }
+
+
+def draw_api_behaviour(chance: random.Random, emulator: EmulatorServer) -> str:
+    """This trial's API: how it refuses an answered call, whether it keeps keys, and whether
+    the answers of its next submissions are lost (their retries then meet the refusal)."""
+    style = chance.choice(ALREADY_ANSWERED_STYLES)
+    keys: IdempotencyKeys = chance.choice(("honoured", "ignored"))
+    emulator.control.set_behaviour(already_answered=style, idempotency_keys=keys)
+    emulator.control.clear_faults()
+    if chance.random() < 0.5:
+        emulator.control.accept_then_drop(chance.randint(1, 2))
+    return f"{style}/{keys}"
+
+
+def refused_replays(emulator: EmulatorServer, session_ids: list[str]) -> int:
+    """Posts of an answered call's request that the API refused (it had forgotten the key)."""
+    ours = set(session_ids)
+    answered: set[tuple[str, str, str]] = set()
+    refused = 0
+    for receipt in emulator.control.tool_results():
+        if receipt.session_id not in ours:
+            continue
+        key = (receipt.session_id, receipt.turn_id, receipt.call_id)
+        if receipt.outcome == "accepted":
+            answered.add(key)
+        elif receipt.outcome == "rejected" and key in answered:
+            refused += 1
+    return refused
 
 
 async def unwatch_finished(
@@ -126,17 +166,18 @@ async def unwatch_finished(
 
 
 async def test_chaos__a_few_random_kills__history_holds(
-    postgres_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
+    database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
 ) -> None:
-    figures = await run_trials(4, 7, postgres_url, emulator, effects_file, tmp_path)
+    figures = await run_trials(4, 7, database_url, emulator, effects_file, tmp_path)
     assert figures["kills"] >= 1
     assert figures["lost"] == 0
     assert figures["at_most_once_duplicates"] == 0
+    assert figures["answered_then_sent_again"] == 0
 
 
 @pytest.mark.chaos
 async def test_chaos__many_random_kills__history_holds(
-    postgres_url: str,
+    database_url: str,
     emulator: EmulatorServer,
     effects_file: Path,
     tmp_path: Path,
@@ -144,7 +185,7 @@ async def test_chaos__many_random_kills__history_holds(
 ) -> None:
     trials: int = pytestconfig.getoption("--trials")
     seed = random.SystemRandom().randint(0, 2**31)
-    figures = await run_trials(trials, seed, postgres_url, emulator, effects_file, tmp_path)
+    figures = await run_trials(trials, seed, database_url, emulator, effects_file, tmp_path)
     summary = {k: v for k, v in figures.items() if k != "longest_wait_per_trial"}
     print("chaos figures:", json.dumps(summary))
     longest = [t["longest_wait"] for t in figures["longest_wait_per_trial"]]
