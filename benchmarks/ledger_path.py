@@ -48,9 +48,6 @@ class NoNetworkGateway(AgentsGateway):
     async def close(self) -> None:
         return None
 
-    async def submit_tool_result(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
     async def submit_tool_results(self, *args: Any, **kwargs: Any) -> None:
         return None
 
