@@ -824,4 +824,4 @@ async def test_deleted_session__abandons_its_stored_result(sqlite_url: str, emul
     assert call is not None
     assert call.status is CallStatus.ABANDONED
     assert call.abandoned_reason is not None
-    assert "session gone" in call.abandoned_reason
+    assert call.abandoned_reason == "session deleted"

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import pool, text
 
-from tests.support.databases import PostgresTemplate
+from tests.support.databases import PostgresTemplate, with_later_columns, without_later_columns
 from toolledger.domain.keys import CallKey
 from toolledger.domain.results import succeeded
 from toolledger.domain.states import CallStatus, EffectClass
@@ -28,6 +28,8 @@ from toolledger.store.ledger import LedgerStore
 
 SEEDED = 100_000
 BEFORE_INDEXES = "0005"
+UNDER_LOAD_TO = "0008"
+"""The last revision before those that add a column today's store writes."""
 # A plain CREATE INDEX (in the migration's transaction) holds writes back for the whole build:
 # measured, one call's writes waited 0.78 s of a 0.80 s upgrade; built CONCURRENTLY the slowest
 # took 0.026 s of 1.37 s. A share of the upgrade's time tells them apart on any machine.
@@ -59,6 +61,9 @@ def ledger_at_0002(postgres_template: PostgresTemplate) -> Iterator[str]:
                 conn.execute(text(SEED_SQL), {"count": SEEDED})
         finally:
             engine.dispose()
+        # The busy worker is today's store: it needs what later revisions add. The upgrade
+        # under test stops before those (UNDER_LOAD_TO), then they go the way they came.
+        with_later_columns(url)
         yield url
 
 
@@ -101,14 +106,14 @@ async def test_audit_index_migration__100k_calls_and_a_busy_worker__succeeds_wit
         await asyncio.sleep(0.5)
         upgrading.set()
         upgraded_at = time.perf_counter()
-        await asyncio.to_thread(migrate.upgrade, with_lock_timeout(ledger_at_0002))
+        await asyncio.to_thread(migrate.upgrade, with_lock_timeout(ledger_at_0002), UNDER_LOAD_TO)
         upgrade_seconds = time.perf_counter() - upgraded_at
         upgrading.clear()
         await asyncio.sleep(0.3)
         done.set()
         await working
 
-        assert migrate.current_revision(ledger_at_0002) == migrate.head_revision(ledger_at_0002)
+        assert migrate.current_revision(ledger_at_0002) == UNDER_LOAD_TO
         assert during_upgrade > 0, "the worker wrote nothing while the migration ran"
         slowest = max(write_times)
         assert slowest < SLOWEST_WRITE_SHARE * upgrade_seconds, (
@@ -125,3 +130,6 @@ async def test_audit_index_migration__100k_calls_and_a_busy_worker__succeeds_wit
     finally:
         done.set()
         await engine.dispose()
+    without_later_columns(ledger_at_0002)
+    migrate.upgrade(ledger_at_0002)
+    assert migrate.current_revision(ledger_at_0002) == migrate.head_revision(ledger_at_0002)

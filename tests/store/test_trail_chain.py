@@ -17,7 +17,7 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import pool, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.support.databases import NewDatabase
+from tests.support.databases import NewDatabase, with_later_columns, without_later_columns
 from toolledger.domain.keys import CallKey
 from toolledger.domain.results import FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus, EffectClass
@@ -271,7 +271,8 @@ async def test_trail_heads__the_last_event_of_each_call__absent_for_unknown_call
 
 
 BEFORE_THE_TRAIL = "0007"
-"""The revision before the trail's (0008): today's store writes every column it has."""
+"""The revision before the trail's (0008): today's store writes every column it has, and the
+later ones (``with_later_columns``)."""
 
 
 async def write_lives_before_the_trail(url: str) -> list[CallKey]:
@@ -299,7 +300,9 @@ async def test_upgrade_to_0008__chains_the_events_already_stored__and_new_ones_f
 ) -> None:
     url = new_database()
     migrate.upgrade(url, BEFORE_THE_TRAIL)
+    with_later_columns(url)
     keys = await write_lives_before_the_trail(url)
+    without_later_columns(url)
 
     migrate.upgrade(url)
 

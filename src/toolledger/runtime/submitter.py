@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -167,20 +167,21 @@ class Submitter:
         say): the session is read first, and the result sent only if it still awaits the call.
         """
         key = call.key
+        if listed is False and self.gateway is not None and call.payload is not None:
+            # Counted where it is decided: sent (by this method) or closed unsent.
+            return (await self.submit_awaited(key.session_id, [call]))[key]
         with (
             log_fields(session_id=key.session_id, turn_id=key.turn_id, call_id=key.call_id),
             call_span("toolledger.submit", key, tool=call.tool_name) as span,
         ):
             if self.gateway is None or call.payload is None:
                 outcome = SubmitOutcome.NOT_SENT
-            elif not listed:
-                outcome = (await self.submit_awaited(key.session_id, [call]))[key]
             elif self.batching:
                 outcome = await self._queued(call)
             else:
                 outcome = (await self._send(key.session_id, [call]))[key]
-            span.set("outcome", outcome.value)
-        metrics.SUBMISSIONS.labels(outcome.value).inc()
+                span.set("outcome", outcome.value)
+        _count([outcome])
         return outcome
 
     async def submit_awaited(
@@ -196,8 +197,10 @@ class Submitter:
             raise
         except (openai.OpenAIError, SubmissionError) as error:
             log.warning("session %s could not be read (%s): its results wait", session_id, error)
-            return {call.key: SubmitOutcome.FAILED for call in calls}
-        outcomes: dict[CallKey, SubmitOutcome] = {}
+            outcomes = {call.key: SubmitOutcome.FAILED for call in calls}
+            _count(outcomes.values())
+            return outcomes
+        outcomes = {}
         awaited: list[CallRecord] = []
         for call in calls:
             if listing.ended is not None:
@@ -209,6 +212,7 @@ class Submitter:
                     call, may_have_landed=call.request_key is not None, session_status=listing.status
                 )
                 outcomes[call.key] = _UNLISTED_OUTCOMES[fate]
+        _count(outcomes.values())
         if awaited:
             sent = await asyncio.gather(*(self.submit(call) for call in awaited))
             outcomes.update(zip((call.key for call in awaited), sent, strict=True))
@@ -492,6 +496,11 @@ class Submitter:
             "submitting %s failed (%s); its request goes again later", call.key, store.redactor.text(why)
         )
         return SubmitOutcome.FAILED
+
+
+def _count(outcomes: Iterable[SubmitOutcome]) -> None:
+    for outcome in outcomes:
+        metrics.SUBMISSIONS.labels(outcome.value).inc()
 
 
 def _outcome_of(call: CallRecord) -> SubmitOutcome:
