@@ -1,11 +1,15 @@
-"""Configuration, from ``TOOLLEDGER_*`` environment variables or a ``.env`` file."""
+"""Configuration, from ``TOOLLEDGER_*`` environment variables or a ``.env`` file (and, for the
+Agents API's key and address, the openai SDK's own ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``
+when toolledger's are unset)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -13,6 +17,12 @@ from sqlalchemy.exc import ArgumentError
 from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS, Redactor
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///toolledger.sqlite3"
+SDK_VARIABLES: dict[str, tuple[str, ...]] = {
+    "openai_api_key": ("OPENAI_API_KEY", "openai_api_key"),
+    "openai_base_url": ("OPENAI_BASE_URL", "openai_base_url"),
+}
+"""Options that fall back on the openai SDK's own variable when their TOOLLEDGER_ one is
+unset (the last name lets code pass the option by its name)."""
 
 
 class Settings(BaseSettings):
@@ -27,9 +37,18 @@ class Settings(BaseSettings):
         default=DEFAULT_DATABASE_URL,
         description="Ledger database: a SQLite file (default) or postgresql+psycopg://user:pass@host/db.",
     )
-    openai_api_key: SecretStr | None = Field(default=None, description="API key for the Agents API.")
+    # Unset, the SDK's own variables are honoured, as by every openai-based tool (the start-up
+    # log says which one was used: ``agents_api_sources``).
+    openai_api_key: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("TOOLLEDGER_OPENAI_API_KEY", *SDK_VARIABLES["openai_api_key"]),
+        description="API key for the Agents API (unset: the SDK's own OPENAI_API_KEY).",
+    )
     openai_base_url: str | None = Field(
-        default=None, description="Agents API base URL; point it at `toolledger emulator` to test."
+        default=None,
+        validation_alias=AliasChoices("TOOLLEDGER_OPENAI_BASE_URL", *SDK_VARIABLES["openai_base_url"]),
+        description="Agents API base URL (unset: the SDK's own OPENAI_BASE_URL); point it at "
+        "`toolledger emulator` to test.",
     )
     worker_id: str | None = Field(
         default=None, description="Name of this worker in leases and the audit trail."
@@ -193,6 +212,25 @@ class Settings(BaseSettings):
     @classmethod
     def _async_driver(cls, url: str) -> str:
         return async_database_url(url)
+
+    def agents_api_sources(self, environ: Mapping[str, str] | None = None) -> str:
+        """Where the Agents API's address and key come from, for the start-up log (never the
+        key itself): which variable, the SDK's own or toolledger's, or the defaults."""
+        environ = os.environ if environ is None else environ
+        names = {name.upper() for name in environ}
+
+        def source(option: str, value: object) -> str:
+            for variable in (f"TOOLLEDGER_{option.upper()}", SDK_VARIABLES[option][0]):
+                if variable in names:
+                    return variable
+            return "set in code or .env" if value else "unset"
+
+        url = self.openai_base_url or "the SDK's default (https://api.openai.com/v1)"
+        key = "a key" if self.openai_api_key is not None else "no key"
+        return (
+            f"Agents API at {url} (base URL: {source('openai_base_url', self.openai_base_url)}), "
+            f"{key} ({source('openai_api_key', self.openai_api_key)})"
+        )
 
     @property
     def agents_api_configured(self) -> bool:

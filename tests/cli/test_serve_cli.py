@@ -25,6 +25,7 @@ from tests.support.serve_process import FAST_ENVIRONMENT, TOOLS, ServeProcess, r
 from tests.support.workload import read_effects, start_sessions, wait_until_idle
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer, Script
+from toolledger.settings import Settings
 from toolledger.store import migrate
 from toolledger.store.engine import create_engine
 from toolledger.store.ledger import LedgerStore
@@ -509,13 +510,75 @@ async def _audit_api_address(process: ServeProcess) -> str | None:
 def test_serve__no_agents_api_configured__exits_1_naming_the_variables(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("TOOLLEDGER_OPENAI_API_KEY", "TOOLLEDGER_OPENAI_BASE_URL"):
+    for name in AGENTS_API_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     done = run_cli("serve", "--tools", TOOLS, database_url=sqlite_url, timeout=30)
     assert done.returncode == 1
     assert "no Agents API configured" in done.stderr
     assert "TOOLLEDGER_OPENAI_API_KEY" in done.stderr
+    assert "OPENAI_BASE_URL" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+AGENTS_API_VARIABLES = (
+    "TOOLLEDGER_OPENAI_API_KEY",
+    "TOOLLEDGER_OPENAI_BASE_URL",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+)
+
+
+async def test_serve__the_sdks_own_variables__honoured_when_toolledgers_are_unset_and_named_in_the_log(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As every openai-based tool: OPENAI_API_KEY and OPENAI_BASE_URL, when toolledger's own
+    variables are unset. The key is the emulator's: a wrong one would stop serve at start."""
+    for name in AGENTS_API_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with (
+        EmulatorServer(api_key="sk-sdk-variable-canary") as keyed,
+        ServeProcess(
+            sqlite_url,
+            keyed.base_url,
+            tmp_path / "serve.log",
+            base_url_variable="OPENAI_BASE_URL",
+            OPENAI_API_KEY="sk-sdk-variable-canary",
+        ) as serving,
+    ):
+        await asyncio.to_thread(serving.wait_serving)
+    log = serving.log()
+    assert f"Agents API at {keyed.base_url} (base URL: OPENAI_BASE_URL), a key (OPENAI_API_KEY)" in log
+    assert "sk-sdk-variable-canary" not in log, "the key is never echoed"
+
+
+def test_settings__toolledgers_variable_wins_over_the_sdks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOOLLEDGER_OPENAI_BASE_URL", "http://mine/v1")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://sdk/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-sdk")
+    monkeypatch.delenv("TOOLLEDGER_OPENAI_API_KEY", raising=False)
+    settings = Settings()
+    assert settings.openai_base_url == "http://mine/v1"
+    assert settings.openai_api_key is not None
+    assert settings.openai_api_key.get_secret_value() == "sk-sdk"
+    assert settings.agents_api_sources() == (
+        "Agents API at http://mine/v1 (base URL: TOOLLEDGER_OPENAI_BASE_URL), a key (OPENAI_API_KEY)"
+    )
+    assert Settings(openai_base_url="http://code/v1").openai_base_url == "http://code/v1"
+
+
+def test_serve__missing_sqlite_file__refused_saying_migrate_and_none_created(tmp_path: Path) -> None:
+    path = tmp_path / "typo.sqlite3"
+    done = run_cli(
+        "serve",
+        "--tools",
+        TOOLS,
+        database_url=f"sqlite+aiosqlite:///{path}",
+        base_url="http://127.0.0.1:1/v1",
+    )
+    assert done.returncode == 1
+    assert f"no ledger file at {path}: run `toolledger migrate` first" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not path.exists()
 
 
 async def test_serve__credentials_refused__exits_1_at_start_with_the_reason_not_retrying(

@@ -36,15 +36,17 @@ class ServeProcess:
         crash_at: str | None = None,
         extra_args: tuple[str, ...] = (),
         settings: Mapping[str, str] | None = None,
+        base_url_variable: str = "TOOLLEDGER_OPENAI_BASE_URL",
         **environment: str,
     ) -> None:
         """``settings`` and ``environment``: variables over the fast timers (a mapping, or
-        keywords)."""
+        keywords). ``base_url_variable``: the variable that names the Agents API (the SDK's
+        own ``OPENAI_BASE_URL``, say)."""
         env = {
             **os.environ,
             **FAST_ENVIRONMENT,
             "TOOLLEDGER_DATABASE_URL": database_url,
-            "TOOLLEDGER_OPENAI_BASE_URL": base_url,
+            base_url_variable: base_url,
             "PYTHONPATH": str(ROOT),
             **(settings or {}),
             **environment,

@@ -225,7 +225,17 @@ def serve(
         api_host=api_host,
         api_port=api_port,
     )
+    missing = missing_sqlite_file(settings.database_url)
+    if missing is not None:
+        # Served, a mistyped path would look like a new, empty ledger with nothing to recover.
+        raise click.ClickException(
+            f"no ledger file at {missing}: run `toolledger migrate` first (it creates the ledger), "
+            "or set TOOLLEDGER_DATABASE_URL to the existing one"
+        )
     configure_logging(log_level, settings)
+    started = logging.getLogger("toolledger.service")
+    started.info("ledger: %s", masked_url(settings.database_url))
+    started.info("%s", settings.agents_api_sources())
     api_app = _audit_app(settings, registry) if with_api else None
     cut_off, failure = run(_serve(registry, settings, watch_ids, api_app, log_level))
     if cut_off:
@@ -482,7 +492,7 @@ async def _with_sessions(settings: Settings, action: Callable[[Runtime], Corouti
         # Run from another directory, a relative default would make a new, empty ledger.
         raise click.ClickException(
             f"no ledger file at {missing}: run this where the ledger is, or set TOOLLEDGER_DATABASE_URL "
-            "(`toolledger serve` and `toolledger migrate` create one)"
+            "(`toolledger migrate` creates one)"
         )
     async with ledger_runtime(settings) as runtime:
         await action(runtime)

@@ -8,7 +8,6 @@ import contextlib
 import re
 from collections.abc import AsyncIterator, Coroutine
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
@@ -117,15 +116,11 @@ async def ledger_runtime(settings: Settings) -> AsyncIterator[Runtime]:
 
 
 def missing_sqlite_file(url: str) -> str | None:
-    """The path of a SQLite ledger file that does not exist (None if it exists or is not
-    SQLite): opening it would create an empty file, and a mistyped path would look like a
-    new, empty ledger."""
-    from sqlalchemy.engine import make_url
+    """``store.engine.missing_sqlite_file``, imported when asked (the database layer is not
+    loaded by commands that never touch it)."""
+    from toolledger.store.engine import missing_sqlite_file as missing
 
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return None
-    return None if Path(parsed.database).exists() else parsed.database
+    return missing(url)
 
 
 def iso(moment: datetime | None) -> str | None:

@@ -15,6 +15,7 @@ as it is and left open by ``aclose``; what the runtime built, it closes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from toolledger.errors import SchemaNotCurrentError
 from toolledger.settings import Settings
 from toolledger.store.alerts import AlertStore
 from toolledger.store.audit import AuditStore
-from toolledger.store.engine import create_engine
+from toolledger.store.engine import create_engine, missing_sqlite_file
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.liveness import Liveness, liveness_for
 from toolledger.store.operator_views import OperatorViews
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     # The SDK comes with the gateway: imported when a gateway is built, not with this module.
     from toolledger.gateway.agents import AgentsGateway
     from toolledger.store.exclusive import SQLiteServiceLock
+
+log = logging.getLogger("toolledger.runtime")
 
 
 class Runtime:
@@ -96,7 +99,11 @@ class Runtime:
 
         url = self.settings.database_url
         if self.is_sqlite if migrate is None else migrate:
+            new_file = missing_sqlite_file(url)
             await asyncio.to_thread(migrations.upgrade, url)
+            if new_file is not None:
+                # Said, so that a mistyped path is seen for the new, empty ledger it made.
+                log.info("created a new SQLite ledger at %s", new_file)
         elif not await asyncio.to_thread(migrations.is_current, url):
             raise SchemaNotCurrentError(
                 "the ledger database is not at the current schema revision: run `toolledger migrate`"

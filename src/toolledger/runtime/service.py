@@ -122,8 +122,9 @@ class Service:
     async def start(self) -> Service:
         if not self.ledger.runtime.agents_api_configured:
             raise ConfigurationError(
-                "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY for the OpenAI API, or "
-                "TOOLLEDGER_OPENAI_BASE_URL for another server (a `toolledger emulator`, say)"
+                "no Agents API configured: set TOOLLEDGER_OPENAI_API_KEY (or the SDK's own "
+                "OPENAI_API_KEY) for the OpenAI API, or TOOLLEDGER_OPENAI_BASE_URL (or "
+                "OPENAI_BASE_URL) for another server (a `toolledger emulator`, say)"
             )
         runtime = self.ledger.runtime
         # Refused before anything is taken: a webhook without a secret is a configuration error.

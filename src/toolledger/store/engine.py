@@ -8,6 +8,7 @@ import inspect
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from datetime import datetime
+from pathlib import Path
 from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
@@ -298,3 +299,13 @@ def _pg_seconds_until(element: seconds_until, compiler: SQLCompiler, **kw: Any) 
 def _sqlite_seconds_until(element: seconds_until, compiler: SQLCompiler, **kw: Any) -> str:
     moment = compiler.process(element.clauses, **kw)
     return f"(julianday({moment}) - julianday('now')) * 86400.0"
+
+
+def missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite ledger file that does not exist (None if it exists or is not
+    SQLite): opening it would create an empty file, and a mistyped path would look like a
+    new, empty ledger."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return None if Path(parsed.database).exists() else parsed.database
