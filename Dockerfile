@@ -9,12 +9,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The versions CI tested, not whatever is newest on the day the image is built.
+COPY .ci/constraints.txt ./constraints.txt
 COPY src ./src
 COPY migrations ./migrations
 COPY examples ./examples
-# The example tool set ships in the package (toolledger.examples.shop); put your own tools'
-# package on PYTHONPATH (a volume, or a FROM toolledger image that installs it).
-RUN pip install . && useradd --system --uid 10001 toolledger
+# The example tool set ships in the package (toolledger.examples.shop); your own tools' package
+# goes on PYTHONPATH (docker-compose.yml mounts its folder at /srv/app), or in a FROM toolledger
+# image that installs it.
+RUN pip install . -c constraints.txt && useradd --system --uid 10001 toolledger \
+    && mkdir -p /var/lib/toolledger-shop && chown toolledger /var/lib/toolledger-shop
 
 USER toolledger
 ENTRYPOINT ["toolledger"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,13 +67,70 @@ def test_compose__services_order_health_and_scale(compose: dict[str, Any]) -> No
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["serve"]["deploy"]["replicas"] == 2
     assert services["emulator"]["profiles"] == ["emulator"]
+    assert services["api"]["profiles"] == ["api"], "a plain `up` needs no API token"
     for name in ("postgres", "serve", "api", "emulator"):
         assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    # The process, not only the database: this container's replica must be alive.
+    assert services["serve"]["healthcheck"]["test"][1:] == ["toolledger", "status", "--replica-here"]
+    # The user's tools are importable, and the demo's world is one for every replica.
+    assert "${TOOLLEDGER_APP_DIR:-.}:/srv/app:ro" in services["serve"]["volumes"]
+    assert services["serve"]["environment"]["PYTHONPATH"] == "/srv/app"
+    world = services["serve"]["environment"]["TOOLLEDGER_DEMO_WORLD"]
+    assert any(
+        v.startswith("shop-world:") and world.startswith(v.split(":")[1])
+        for v in services["serve"]["volumes"]
+    )
+    assert "shop-world" in compose["volumes"]
     for name in ("migrate", "serve", "api", "emulator"):
         environment = services[name]["environment"]
         assert environment["TOOLLEDGER_DATABASE_URL"].startswith("postgresql://"), name
         assert services[name]["build"] == "."
     assert "TOOLLEDGER_API_TOKENS" in services["api"]["environment"], "the API listens on 0.0.0.0"
+
+
+def test_compose__no_variable_is_required_and_no_key_is_made_up() -> None:
+    """A `${NAME:?}` breaks every compose command until it is set; a default key would be
+    sent to the public API by whoever forgot theirs."""
+    text = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert not [m.group(0) for m in _VARIABLE.finditer(text) if m.group(0).startswith(f"${{{m['name']}:?")]
+    assert "${OPENAI_API_KEY:-}" in text
+    assert "sk-" not in text.replace("OPENAI_API_KEY=sk-...", "")
+
+
+def test_compose__config_is_valid_for_compose_itself(tmp_path: Path) -> None:
+    """Where a compose binary exists (CI machines may have one), it parses the file."""
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        probe = subprocess.run([*command, "version"], capture_output=True, text=True, check=False)
+        if probe.returncode != 0:
+            continue
+        checked = subprocess.run(
+            [
+                *command,
+                "-f",
+                str(ROOT / "docker-compose.yml"),
+                "--profile",
+                "emulator",
+                "--profile",
+                "api",
+                "config",
+                "-q",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert checked.returncode == 0, checked.stderr
+        return
+    pytest.skip("no compose binary on this machine")
+
+
+def test_dockerfile__installs_the_tested_versions() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    assert "COPY .ci/constraints.txt ./constraints.txt" in dockerfile
+    assert "pip install . -c constraints.txt" in dockerfile
 
 
 def test_compose__every_toolledger_command_parses(compose: dict[str, Any]) -> None:
@@ -227,7 +285,18 @@ def test_compose__commands_run_outside_docker(
         check=False,
     )
     assert status.returncode == 0, status.stdout + status.stderr
-    assert "replica:" in status.stdout
+    assert status.stdout.startswith("alive: "), status.stdout
 
     for replica in replicas:
         assert replica.stop() == 0, replica.log()
+    gone = subprocess.run(
+        [sys.executable, "-m", "toolledger.cli", *probe],
+        cwd=ROOT,
+        env={**os.environ, **here},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert gone.returncode == 1, "a host whose serve stopped is not healthy, whatever the database"
+    assert "no live replica of" in gone.stdout

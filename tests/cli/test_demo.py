@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.paths import ROOT
+from tests.test_packaging import source_packages
 
 
 def _clean_environment(**extra: str) -> dict[str, str]:
@@ -113,6 +115,17 @@ def _tracked_copy(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
+IMPORT_EVERY_SUBPACKAGE = """
+import importlib, json, pkgutil, toolledger
+found = pkgutil.walk_packages(toolledger.__path__, "toolledger.")
+names = ["toolledger"] + [m.name for m in found if m.ispkg]
+for name in names:
+    importlib.import_module(name)
+print(json.dumps(sorted(names)))
+"""
+"""Imports toolledger and every subpackage of it from wherever it is installed; prints their names."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_readme_first_command_and_a_wheel__work_from_a_fresh_copy_and_outside_the_tree(
@@ -141,6 +154,8 @@ def test_readme_first_command_and_a_wheel__work_from_a_fresh_copy_and_outside_th
         f"python3 -m venv {outside}/venv; "
         f"{outside}/venv/bin/pip install -q {wheels}/*.whl -c {clone}/.ci/constraints.txt; "
         f"{outside}/venv/bin/toolledger migrate --database-url sqlite:///{outside}/ledger.sqlite3; "
+        f"{outside}/venv/bin/python -c {shlex.quote(IMPORT_EVERY_SUBPACKAGE)}; "
+        f"{outside}/venv/bin/toolledger check --help > {outside}/check-help.txt; "
         f"{outside}/venv/bin/toolledger demo --json"
     )
     wheel_run = subprocess.Popen(
@@ -159,6 +174,9 @@ def test_readme_first_command_and_a_wheel__work_from_a_fresh_copy_and_outside_th
     assert wheel_run.returncode == 0, wheel_err[-3000:]
     assert "ledger schema: empty -> " in wheel_out
     _check_summary(_last_json(wheel_out))
+    imported = set(json.loads(next(line for line in wheel_out.splitlines() if line.startswith("["))))
+    assert imported == source_packages(), "the wheel ships (and imports) every package of the tree"
+    assert "Usage: toolledger check" in (outside / "check-help.txt").read_text()
     installed = next((outside / "venv" / "lib").glob("python3*/site-packages/toolledger"))
     assert (installed / "py.typed").exists()
     assert (installed / "audit" / "web" / "index.html").exists()

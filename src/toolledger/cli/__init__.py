@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -593,11 +594,21 @@ async def _reconcile(
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option(
+    "--replica-here",
+    is_flag=True,
+    help="Only: is a `serve` of this host alive (registered, its heartbeat current)? Exits 1 if "
+    "not. A container's healthcheck: it checks the process, not only the database.",
+)
 @database_option
-def status(as_json: bool, database_url: str | None) -> None:
+def status(as_json: bool, replica_here: bool, database_url: str | None) -> None:
     """Is the ledger reachable and current, which replicas are alive, what waits. Exits 1 when
     the database is unreachable or its schema is not current."""
     settings = settings_from(database_url=database_url)
+    if replica_here:
+        alive = run(_replicas_here(settings))
+        click.echo(alive or f"no live replica of {socket.gethostname()}")
+        sys.exit(0 if alive else 1)
     report = run(_status(settings))
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -643,6 +654,20 @@ def status(as_json: bool, database_url: str | None) -> None:
 
 
 STATUS_CALLS_SHOWN = 20
+
+
+async def _replicas_here(settings: Settings) -> str | None:
+    """The live replicas this host registered, as a line; None when there is none."""
+    from toolledger.runtime.composition import Runtime
+
+    if missing_sqlite_file(settings.database_url) is not None:
+        return None
+    async with Runtime.from_settings(settings) as runtime:
+        host = socket.gethostname()
+        mine = [r for r in await runtime.session_store().live_replicas() if r.hostname == host]
+    if not mine:
+        return None
+    return "alive: " + ", ".join(f"{r.replica_id} (pid {r.pid})" for r in mine)
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
