@@ -330,3 +330,26 @@ def test_cli_check__offers_exactly_the_kit_s_crash_points() -> None:
     from toolledger.testing import CRASH_POINTS
 
     assert POINT_NAMES == CRASH_POINTS
+
+
+def test_cli_check__tools_that_report_no_side_effect__exit_4_untested_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uninstrumented, a tool's crash runs are all skipped: nothing of its promise is checked,
+    and the check must not say "every tool keeps its word"."""
+    writes = tmp_path / "writes.log"
+    monkeypatch.setenv("CHECKED_WRITES", str(writes))
+    refused = toolledger("--tools", "tests.conformance.tools:uninstrumented", "--json")
+    allowed = toolledger("--tools", "tests.conformance.tools:uninstrumented", "--allow-untested")
+
+    assert refused.returncode == 4, refused.stdout + refused.stderr
+    report = json.loads(refused.stdout)
+    assert (report["ok"], report["exit_code"], report["untested"]) == (False, 4, ["write_row"])
+    first = refused.stderr.splitlines()[0]
+    assert first.startswith("toolledger check calls each tool's handler for real"), first
+    assert "TOOLLEDGER_CHECKING=1" in first
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "untested (allowed)" in allowed.stdout
+    assert "untested: write_row: they reported no side effect" in allowed.stdout
+    # Its handler ran for real, once per check (the baseline), and knew the check was running.
+    assert len(writes.read_text().splitlines()) == 2

@@ -51,6 +51,7 @@ def test_report__explains_contradictions_and_errors_and_groups_json_by_tool() ->
         "exit_code": 1,
         "contradictions": 1,
         "errors": 1,
+        "untested": [],
         "seconds": 3.0,
         "tools": [
             {
@@ -58,13 +59,21 @@ def test_report__explains_contradictions_and_errors_and_groups_json_by_tool() ->
                 "effect_class": "idempotent",
                 "arguments": {"cents": 1},
                 "points": [
-                    {"point": "no_crash", "status": "ok", "problems": [], "note": "fine", "seconds": 1.25},
+                    {
+                        "point": "no_crash",
+                        "status": "ok",
+                        "problems": [],
+                        "note": "fine",
+                        "seconds": 1.25,
+                        "skipped": False,
+                    },
                     {
                         "point": "inside_handler",
                         "status": "contradiction",
                         "problems": ["two effects", "and more"],
                         "note": "fine",
                         "seconds": 1.25,
+                        "skipped": False,
                     },
                 ],
             },
@@ -79,9 +88,37 @@ def test_report__explains_contradictions_and_errors_and_groups_json_by_tool() ->
                         "problems": ["did not finish"],
                         "note": "fine",
                         "seconds": 1.25,
+                        "skipped": False,
                     }
                 ],
             },
         ],
     }
     assert Report([]).explain() == "every tool conforms to its effect class"
+
+
+def skipped(tool: str, point: str) -> PointResult:
+    return PointResult(
+        tool, "idempotent", point, Status.NOT_APPLICABLE, ("skipped: no effect",), skipped=True
+    )
+
+
+def test_report__a_tool_whose_crash_runs_were_all_skipped__is_untested_and_exits_4_unless_allowed() -> None:
+    results = [
+        result("send", "no_crash", Status.OK),
+        skipped("send", "after_claim_commit"),
+        skipped("send", "inside_handler"),
+        result("mail", "no_crash", Status.OK),
+        result("mail", "after_claim_commit", Status.OK),
+        # Run, but the point was not reached: tested elsewhere, not untested.
+        result("mail", "inside_handler", Status.NOT_APPLICABLE, "the run never reached it"),
+    ]
+
+    refused, allowed = Report(results), Report(results, allow_untested=True)
+
+    assert (refused.untested, refused.exit_code, refused.ok) == (["send"], 4, False)
+    assert "send: untested: it reported no side effect" in refused.explain()
+    assert (allowed.exit_code, allowed.ok) == (0, True)
+    assert allowed.explain() == "every tool conforms to its effect class"
+    failed = Report([*results, result("mail", "after_handler", Status.ERROR, "hung")])
+    assert failed.exit_code == 3, "a failed run says more than an untested tool"

@@ -3,6 +3,7 @@ that break it on purpose. Their side effects are reported with ``toolledger.test
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -139,4 +140,24 @@ stalled = ToolRegistry()
 @stalled.tool(effect="idempotent", timeout=600)
 def stuck(order_id: str) -> str:
     time.sleep(600)
+    return order_id
+
+
+uninstrumented = ToolRegistry()
+"""Tools with side effects that never tell the check about them (no ``testing.effect``): what a
+tools module is before it is instrumented. Each writes a line to ``CHECKED_WRITES`` only when
+the check says it is running (``testing.checking()``), as a tool pointed at a fake would."""
+
+
+@uninstrumented.tool(effect="idempotent")
+def write_row(order_id: str) -> str:
+    target = os.environ.get("CHECKED_WRITES")
+    if target and testing.checking():
+        with open(target, "a", encoding="utf-8") as written:
+            written.write(f"{order_id}\n")
+    return "written"
+
+
+@uninstrumented.tool(effect="read_only")
+def peek(order_id: str) -> str:
     return order_id

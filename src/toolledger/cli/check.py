@@ -24,6 +24,17 @@ POINT_NAMES = (
 )
 
 
+REAL_HANDLERS_WARNING = (
+    "toolledger check calls each tool's handler for real (with --examples or made-up arguments): "
+    "point your tools at fakes while TOOLLEDGER_CHECKING=1 (toolledger.testing.checking()), "
+    "see docs/conformance.md, 'Before you run it'"
+)
+UNTESTED_REASON = (
+    "they reported no side effect, so no crash run was made: report each effect with "
+    "toolledger.testing.effect (docs/conformance.md), or pass --allow-untested"
+)
+
+
 class CheckFailed(click.ClickException):
     """The check itself could not run: exit 3, as a run that could not be made (1 means a
     contradiction was found, and this found nothing)."""
@@ -77,6 +88,11 @@ class CheckFailed(click.ClickException):
     default=None,
     help="Keep every run's ledger, outside world and logs in this directory.",
 )
+@click.option(
+    "--allow-untested",
+    is_flag=True,
+    help="Pass even when a tool's crash runs were all skipped (it reported no side effect).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (progress goes to stderr).")
 def check(
     tools_reference: str,
@@ -87,6 +103,7 @@ def check(
     timeout: float,
     database_url: str | None,
     keep: Path | None,
+    allow_untested: bool,
     as_json: bool,
 ) -> None:
     """Run each tool through the crash points and report where it contradicts its effect class.
@@ -100,12 +117,18 @@ def check(
     effect class promises (e.g. "declared idempotent: 2 side effects seen for one key").
 
     \b
+    The handlers are called for real, with --examples or made-up arguments: point your
+    tools at fakes when TOOLLEDGER_CHECKING=1 (toolledger.testing.checking()).
+
+    \b
     Exit status: 0 nothing contradicts, 1 a contradiction, 3 a run (or the check) could
-    not be made, 2 bad usage. Details: docs/conformance.md.
+    not be made, 4 a tool could not be tested (it reported no side effect: its crash runs
+    were skipped; --allow-untested passes anyway), 2 bad usage. Details: docs/conformance.md.
     """
     from toolledger.testing import CheckError, check_tools
 
     examples = _examples(examples_file)
+    click.echo(REAL_HANDLERS_WARNING, err=True)
     try:
         report = check_tools(
             tools_reference,
@@ -117,6 +140,7 @@ def check(
             database_url=database_url,
             keep=keep,
             progress=lambda result: click.echo(_line(result), err=as_json),
+            allow_untested=allow_untested,
         )
     except CheckError as error:
         if error.param is not None:
@@ -152,13 +176,23 @@ def _line(result: PointResult) -> str:
 def _summary(report: Report) -> str:
     counts = Counter(result.status.value for result in report.results)
     said = ", ".join(_counted(counts[status], status) for status in STATUS_COLOURS if counts[status])
+    untested = report.untested
     if report.contradictions:
         verdict = click.style(_counted(len(report.contradictions), "contradiction"), fg="red")
     elif report.errors:
         verdict = click.style(f"{_counted(len(report.errors), 'run')} could not be made", fg="magenta")
+    elif untested and not report.allow_untested:
+        verdict = click.style(f"{_counted(len(untested), 'tool')} untested", fg="magenta")
+    elif untested:
+        verdict = click.style(
+            f"no contradiction, {_counted(len(untested), 'tool')} untested (allowed)", fg="yellow"
+        )
     else:
         verdict = click.style("every tool keeps its word", fg="green")
-    return f"\n{verdict}: {said} in {report.seconds:.1f}s"
+    lines = [f"\n{verdict}: {said} in {report.seconds:.1f}s"]
+    if untested:
+        lines.append(f"untested: {', '.join(untested)}: {UNTESTED_REASON}")
+    return "\n".join(lines)
 
 
 def _counted(count: int, status: str) -> str:

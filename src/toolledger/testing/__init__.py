@@ -28,6 +28,7 @@ _EXPORTS = {
     "Status": "toolledger.testing.verdicts",
     "assert_conforms": "toolledger.testing.check",
     "check_tools": "toolledger.testing.check",
+    "checking": "toolledger.testing.probe",
     "effect": "toolledger.testing.probe",
     "effect_in": "toolledger.testing.probe",
     "reference_of": "toolledger.testing.check",
@@ -36,7 +37,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from toolledger.testing.check import assert_conforms, check_tools, reference_of
-    from toolledger.testing.probe import effect, effect_in, seen
+    from toolledger.testing.probe import checking, effect, effect_in, seen
     from toolledger.testing.report import Report
     from toolledger.testing.verdicts import CRASH_POINTS, NO_CRASH, PointResult, Status
     from toolledger.testing.workers import CheckError
@@ -57,6 +58,7 @@ __all__ = [
     "Status",
     "assert_conforms",
     "check_tools",
+    "checking",
     "effect",
     "effect_in",
     "reference_of",

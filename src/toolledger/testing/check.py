@@ -56,6 +56,7 @@ def check_tools(
     database_url: str | None = None,
     keep: Path | None = None,
     progress: Progress | None = None,
+    allow_untested: bool = False,
 ) -> Report:
     """Run every tool of ``registry`` through the crash points and judge what it did.
 
@@ -72,6 +73,11 @@ def check_tools(
     SQLite files.
     ``keep``: a directory to keep every run's ledger, outside world and logs in.
     ``progress``: called with each result as it comes.
+    ``allow_untested``: a tool none of whose crash runs could be made (it reported no side
+    effect) does not fail the report (``Report.untested``).
+
+    The tools' handlers are called for real, in worker processes whose environment has
+    ``TOOLLEDGER_CHECKING=1`` (``toolledger.testing.checking()``): point them at fakes.
     """
     if not hasattr(os, "fork"):
         raise CheckError("the check forks and SIGKILLs its workers: it runs on Linux or macOS only")
@@ -108,6 +114,7 @@ def check_tools(
         results,
         arguments={name: dict(a) for name, a in arguments.items() if isinstance(a, dict)},
         seconds=time.monotonic() - started,
+        allow_untested=allow_untested,
     )
 
 

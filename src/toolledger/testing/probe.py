@@ -28,6 +28,13 @@ _world: World | None = None
 """The running check's world, in the check's worker processes only."""
 
 
+def checking() -> bool:
+    """Whether this process is a worker of ``toolledger check`` (its environment has
+    ``TOOLLEDGER_CHECKING=1``): the check calls the handlers for real, so a tool (or the
+    module that builds its registry) should talk to fakes of its downstream systems then."""
+    return os.environ.get("TOOLLEDGER_CHECKING") == "1"
+
+
 def bind(path: Path) -> None:
     """Make this process report to the world at ``path`` (a check's worker, at its start)."""
     global _world  # one per process, set once by the check's worker

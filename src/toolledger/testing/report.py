@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolledger.testing.verdicts import PointResult, Status
+from toolledger.testing.verdicts import NO_CRASH, PointResult, Status
 
 
 @dataclass
@@ -16,6 +16,8 @@ class Report:
     arguments: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The arguments each tool was called with."""
     seconds: float = 0.0
+    allow_untested: bool = False
+    """An untested tool (``untested``) does not fail the check."""
 
     @property
     def contradictions(self) -> list[PointResult]:
@@ -26,16 +28,35 @@ class Report:
         return [r for r in self.results if r.status is Status.ERROR]
 
     @property
+    def untested(self) -> list[str]:
+        """Tools none of whose crash runs was made (each skipped: the tool reported no side
+        effect, see ``toolledger.testing.effect``), in the registry's order: nothing was
+        checked of what they promise."""
+        tools: dict[str, list[PointResult]] = {}
+        for result in self.results:
+            if result.point != NO_CRASH:
+                tools.setdefault(result.tool, []).append(result)
+        return [
+            tool
+            for tool, crashed in tools.items()
+            if crashed and all(r.status is Status.NOT_APPLICABLE and r.skipped for r in crashed)
+        ]
+
+    @property
     def ok(self) -> bool:
-        """No contradiction, and every run that was meant to be made was."""
-        return not self.contradictions and not self.errors
+        """No contradiction, every run that was meant to be made was, and every tool was
+        tested (unless ``allow_untested``)."""
+        return self.exit_code == 0
 
     @property
     def exit_code(self) -> int:
-        """0: nothing wrong; 1: a contradiction; 3: no contradiction, but a run failed."""
+        """0: nothing wrong; 1: a contradiction; 3: no contradiction, but a run failed; 4: no
+        contradiction and no failed run, but a tool's crash runs were all skipped."""
         if self.contradictions:
             return 1
-        return 3 if self.errors else 0
+        if self.errors:
+            return 3
+        return 4 if self.untested and not self.allow_untested else 0
 
     def result(self, tool: str, point: str) -> PointResult:
         for found in self.results:
@@ -63,6 +84,7 @@ class Report:
             "exit_code": self.exit_code,
             "contradictions": len(self.contradictions),
             "errors": len(self.errors),
+            "untested": self.untested,
             "seconds": round(self.seconds, 1),
             "tools": list(tools.values()),
         }
@@ -72,4 +94,12 @@ class Report:
         lines = [
             f"{r.tool} ({r.effect_class}) at {r.point}: {r.text()}" for r in self.contradictions + self.errors
         ]
+        if not self.allow_untested:
+            lines += [f"{tool}: untested: {UNTESTED_REASON}" for tool in self.untested]
         return "\n".join(lines) if lines else "every tool conforms to its effect class"
+
+
+UNTESTED_REASON = (
+    "it reported no side effect, so no crash run was made (report each effect with "
+    "toolledger.testing.effect in the tool or its fake; allow it with --allow-untested)"
+)

@@ -270,7 +270,7 @@ def _not_worth_crashing(tool: _Tool, result: PointResult, baseline: Observation 
 
 
 def _skipped(tool: str, effect: str, point: str, reason: str) -> PointResult:
-    return PointResult(tool, effect, point, Status.NOT_APPLICABLE, (f"skipped: {reason}",))
+    return PointResult(tool, effect, point, Status.NOT_APPLICABLE, (f"skipped: {reason}",), skipped=True)
 
 
 def _file_name(name: str) -> str:

@@ -63,6 +63,8 @@ class PointResult:
     note: str | None = None
     """What happened, in a few words (an ``ok``'s story)."""
     seconds: float = 0.0
+    skipped: bool = False
+    """The run was not made (``not_applicable``: it would have told nothing)."""
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "status": self.status.value, "problems": list(self.problems)}

@@ -59,6 +59,10 @@ class CheckError(ToolLedgerError):
         """The input at fault (``--tools``, ``--examples``, ...), if one is."""
 
 
+CHECKING_VARIABLE = "TOOLLEDGER_CHECKING"
+"""Set to ``1`` in the check's worker processes (``toolledger.testing.checking()``)."""
+
+
 class JobTimeout(Exception):
     """A job's process did not end in time; it was killed."""
 
@@ -74,6 +78,8 @@ class Workers:
         # The check's own import path (a test suite's rootdir, say), so the tools import
         # there as they do here; the current directory is added by the tools' loading.
         environment["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # The handlers are called for real: this tells the tools to use their fakes.
+        environment[CHECKING_VARIABLE] = "1"
         self._process = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
             [sys.executable, "-P", "-m", "toolledger.testing.forkserver", reference],
             stdin=subprocess.PIPE,
