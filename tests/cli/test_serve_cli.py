@@ -206,6 +206,10 @@ async def test_serve__sigterm_while_a_call_runs__finishes_it_exits_0_within_grac
             "tests.support.service_tools:nothing",
             "module 'tests.support.service_tools' has no attribute 'nothing'",
         ),
+        (
+            "./tests/support/service_tools.py:registry",
+            "names a file: use a module name, as for `python -m` (tests.support.service_tools:registry",
+        ),
     ],
 )
 def test_serve__tools_that_cannot_be_loaded__exits_2_saying_why(

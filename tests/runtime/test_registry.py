@@ -551,12 +551,65 @@ def test_register__duplicate_name__is_refused_naming_the_tool_and_keeps_the_firs
     assert registry.definitions() == [lookup.definition]
 
 
-def test_register__empty_name__is_refused_by_the_sdk_and_not_registered() -> None:
+@pytest.mark.parametrize("name", ["", "has space", "dot.ted", "x" * 65, "<lambda>", "naïve"])
+def test_register__a_name_the_agents_api_refuses__is_refused_at_registration(name: str) -> None:
+    """Not at ``agents.create``, far from the tool: the API takes ^[A-Za-z0-9_-]{1,64}$."""
     registry = ToolRegistry()
 
-    with pytest.raises(ValueError, match="Tool name must not be empty"):
-        registry.tool(name="")(lambda: "x")
+    with pytest.raises(RegistryError, match=r"accepts tool names of 1 to 64 letters, digits") as refused:
+        registry.tool(name=name)(lambda: "x")
+    assert __file__ in str(refused.value), "the error names where the tool is defined"
     assert len(registry) == 0
+    registry.tool(name="x" * 64)(lambda: "x")
+    registry.tool(name="Refund_order-2")(lambda: "x")
+    assert len(registry) == 2
+
+
+def test_register__a_tool_without_a_description__is_registered_with_a_warning_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = ToolRegistry()
+
+    def undocumented(order_id: str) -> str:
+        return order_id
+
+    with caplog.at_level(logging.WARNING, logger="toolledger.registry"):
+        registry.tool(undocumented)
+        registry.add(function_tool(undocumented, name="also_undocumented"))
+        registry.tool(name="described", description="Described.")(undocumented)  # it has one
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2
+    assert warned[0].startswith("tool 'undocumented' (")
+    assert __file__ in warned[0]
+    assert "has no description: the model sees only its name" in warned[0]
+
+
+class NoSchema:
+    """A type pydantic cannot describe."""
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        ("def untyped(order_id): return order_id", "needs a public name and type annotation: order_id"),
+        ("def opaque(thing: NoSchema) -> str: return ''", "a parameter's type has no JSON Schema (<class"),
+        ("def varargs(*orders: str) -> str: return ''", "Unsupported tool parameter: orders"),
+    ],
+)
+def test_register__a_signature_with_no_json_schema__is_refused_naming_the_tool_and_its_file(
+    source: str, said: str
+) -> None:
+    namespace: dict[str, Any] = {"NoSchema": NoSchema}
+    exec(compile(source, "/srv/app/myapp/tools.py", "exec"), namespace)  # noqa: S102 - the test's own source
+    [function] = [v for k, v in namespace.items() if callable(v) and k not in ("NoSchema", "__builtins__")]
+
+    with pytest.raises(RegistryError) as refused:
+        ToolRegistry().tool(function)
+
+    message = str(refused.value)
+    assert message.startswith(f"tool {function.__name__!r} (/srv/app/myapp/tools.py, line 1): ")
+    assert said in message
+    assert "arbitrary_types_allowed" not in message, "pydantic's internals are not the user's business"
 
 
 # --- argument validation (the path the executor takes before a handler runs) ----------------------

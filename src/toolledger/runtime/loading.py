@@ -23,6 +23,13 @@ def load_registry(reference: str) -> ToolRegistry:
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise ToolsNotFoundError(f"expected package.module:attribute, got {reference!r}")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = ".".join(Path(module_name.removesuffix(".py")).parts).strip(".")
+        raise ToolsNotFoundError(
+            f"{reference!r} names a file: use a module name, as for `python -m` "
+            f"({dotted or 'package.module'}:{attribute}, run from the folder that holds it or with "
+            "that folder on PYTHONPATH)"
+        )
     # Like `python -m`: modules beside the current directory are importable.
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))

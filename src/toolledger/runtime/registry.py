@@ -11,6 +11,8 @@ async def send_receipt(order_id: str, ctx: ToolContext) -> str:
 from __future__ import annotations
 
 import inspect
+import logging
+import re
 import types
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from toolledger.domain.results import MaybeExecuted, NotExecuted, bounded_list
 from toolledger.domain.states import EffectClass
 from toolledger.errors import RegistryError
 from toolledger.runtime.context import ToolContext, Verification, current_context, output_limit
+
+log = logging.getLogger("toolledger.registry")
 
 VerifyHook = Callable[[ToolContext], Verification | Awaitable[Verification]]
 ApprovalRule = Callable[[dict[str, Any], ToolContext], bool]
@@ -141,10 +145,22 @@ class ToolRegistry:
         the model gets a fixed "not approved in time" failure."""
 
         def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
-            handler = _handler_for(fn)
-            built = function_tool(
-                handler, name=name, description=description, defer_loading=True if defer_loading else omit
-            )
+            where = _where(fn)
+            _check_name(name if name is not None else str(getattr(fn, "__name__", "")), where)
+            try:
+                handler = _handler_for(fn)
+                built = function_tool(
+                    handler, name=name, description=description, defer_loading=True if defer_loading else omit
+                )
+            except RegistryError:
+                raise
+            except Exception as error:
+                # Pydantic's or the SDK's words are about their internals: say whose tool it is.
+                raise RegistryError(
+                    f"tool {name or fn.__name__!r} ({where}): no JSON schema can be made from its "
+                    f"signature: {_first_line(error)}"
+                ) from None
+            _say_if_undescribed(built, where)
             self._register(
                 built,
                 is_async=inspect.iscoroutinefunction(fn),
@@ -180,6 +196,9 @@ class ToolRegistry:
         if not isinstance(tool, FunctionTool):
             raise RegistryError(f"expected an openai FunctionTool, got {type(tool).__name__}")
         handler = getattr(tool, "_handler", None)
+        where = _where(handler)
+        _check_name(tool.name, where)
+        _say_if_undescribed(tool, where)
         self._register(
             tool,
             is_async=inspect.iscoroutinefunction(handler),
@@ -327,6 +346,48 @@ def _is_context(annotation: Any) -> bool:
         return True
     arguments = get_args(annotation)
     return ToolContext in arguments and all(a in (ToolContext, type(None)) for a in arguments)
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""The names the Agents API accepts for a function tool (refused at ``agents.create`` else)."""
+
+
+def _check_name(name: str, where: str) -> None:
+    if not TOOL_NAME.fullmatch(name):
+        raise RegistryError(
+            f"tool {name!r} ({where}): the Agents API accepts tool names of 1 to 64 letters, digits, "
+            "'_' and '-' only: give it one with name="
+        )
+
+
+def _say_if_undescribed(tool: FunctionTool[Any], where: str) -> None:
+    if not (tool.definition.get("description") or "").strip():
+        log.warning(
+            "tool %r (%s) has no description: the model sees only its name; give it a docstring "
+            "or description=",
+            tool.name,
+            where,
+        )
+
+
+def _where(fn: object) -> str:
+    """Where a function was defined, as its file and line (the user's tool, for an error)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    if code is None:
+        return "defined somewhere unknown"
+    return f"{code.co_filename}, line {code.co_firstlineno}"
+
+
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, pydantic.PydanticSchemaGenerationError):
+        named = re.search(r"schema for (<[^>]*>)", str(error))
+        shown = f" ({named.group(1)})" if named else ""
+        return (
+            f"a parameter's type has no JSON Schema{shown}: use JSON types (str, int, float, bool, "
+            "list, dict), a pydantic model, a dataclass or a TypedDict"
+        )
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def _handler_for(fn: Callable[..., Any]) -> Callable[..., Any]:
