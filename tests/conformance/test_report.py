@@ -122,3 +122,5 @@ def test_report__a_tool_whose_crash_runs_were_all_skipped__is_untested_and_exits
     assert allowed.explain() == "every tool conforms to its effect class"
     failed = Report([*results, result("mail", "after_handler", Status.ERROR, "hung")])
     assert failed.exit_code == 3, "a failed run says more than an untested tool"
+    broken = Report([result("send", "no_crash", Status.ERROR, "hung"), skipped("send", "after_handler")])
+    assert (broken.untested, broken.exit_code) == ([], 3), "its baseline's error says it already"

@@ -29,17 +29,22 @@ class Report:
 
     @property
     def untested(self) -> list[str]:
-        """Tools none of whose crash runs was made (each skipped: the tool reported no side
-        effect, see ``toolledger.testing.effect``), in the registry's order: nothing was
-        checked of what they promise."""
+        """Tools whose run without a crash was fine but none of whose crash runs was made
+        (each skipped: the tool reported no side effect, see ``toolledger.testing.effect``),
+        in the registry's order: nothing was checked of what they promise. (A tool whose
+        baseline failed is an error already.)"""
+        baseline_ok: set[str] = set()
         tools: dict[str, list[PointResult]] = {}
         for result in self.results:
-            if result.point != NO_CRASH:
+            if result.point == NO_CRASH:
+                if result.status is Status.OK:
+                    baseline_ok.add(result.tool)
+            else:
                 tools.setdefault(result.tool, []).append(result)
         return [
             tool
             for tool, crashed in tools.items()
-            if crashed and all(r.status is Status.NOT_APPLICABLE and r.skipped for r in crashed)
+            if tool in baseline_ok and crashed and all(r.skipped for r in crashed)
         ]
 
     @property
