@@ -506,8 +506,13 @@ def test_serve_api__non_loopback_address_without_a_token__exits_2_before_serving
 
 async def _audit_api_address(process: ServeProcess) -> str | None:
     for line in process.log().splitlines():
-        if line.startswith("audit API: "):
-            return line.removeprefix("audit API: ").strip()
+        if line.startswith("{") and '"audit API: ' in line:
+            # A JSON log line like the others around it (serve's log is not a terminal).
+            entry = json.loads(line)
+            assert (entry["level"], entry["logger"]) == ("info", "toolledger.api")
+            message: str = entry["message"]
+            return message.removeprefix("audit API: ").strip()
+        assert not line.startswith("audit API: "), "a bare line among JSON log lines"
     return None
 
 

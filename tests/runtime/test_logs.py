@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime import approval_tools
 from tests.support.history import wait_quiescent
+from tests.support.polling import eventually
 from tests.support.serve_process import ServeProcess, run_cli
-from tests.support.workload import every_class_script, start_sessions
+from tests.support.service_harness import running_service, service_settings
+from tests.support.workload import every_class_script, start_sessions, wait_until_idle
 from toolledger.domain.redaction import MASK, Redactor
-from toolledger.emulator import EmulatorServer
+from toolledger.emulator import EmulatorServer, Script
 from toolledger.logs import configure_logging, log_fields
+from toolledger.runtime.service import Service
 
 CONFIGURED_SECRET = "hunter2-very-own-secret-value"  # noqa: S105 - a canary
 SHAPED_KEY = "sk-proj-CANARYabcdef0123456789"
@@ -133,3 +137,55 @@ async def test_serve__json_logs__every_line_parses_and_call_lines_name_their_cal
     assert reconciled
     assert all(entry.get("session_id") == session_ids[0] for entry in reconciled)
     assert api_key not in log_text
+
+
+async def test_serve__a_session_that_only_waits__reconciles_at_debug_and_says_actions_as_words(
+    sqlite_url: str, emulator: EmulatorServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Looked at every interval while its call waits for a person: said at info only when
+    something moved, and as "action count" words, not a Python dict."""
+    script = Script.of_calls([("approved_refund", {"amount": 1})])
+    [session_id] = await start_sessions(emulator, 1, script)
+    settings = service_settings(sqlite_url, emulator, reconcile_interval_seconds=0.3)
+    with caplog.at_level(logging.DEBUG, logger="toolledger.service"):
+        async with Service(approval_tools.registry, settings, auto_migrate=False) as service:
+            await service.watch(session_id)
+            await eventually(lambda: len(_reconciled(caplog, logging.DEBUG)) >= 3, within=20.0)
+
+    said = _reconciled(caplog, logging.INFO)
+    quiet = _reconciled(caplog, logging.DEBUG)
+    assert all(set(_actions(m)) == {"waiting_for_approval"} for m in quiet), quiet
+    assert len(said) == 1, "said once, when the call began to wait; repeats of the wait at debug"
+    assert _actions(said[0]) == ["waiting_for_approval"]
+    assert not any("{" in m for m in said + quiet), "a dict's repr in a log line"
+
+
+async def test_serve__a_flapping_stream__says_reconnecting_once_a_minute_per_session(
+    sqlite_url: str, emulator: EmulatorServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    [session_id] = await start_sessions(emulator, 1, Script())  # a turn with no call: idle at once
+    await wait_until_idle(emulator, [session_id])
+    emulator.control.close_streams(count=8, session_id=session_id)
+    with caplog.at_level(logging.DEBUG, logger="toolledger.service"):
+        async with running_service(sqlite_url, emulator) as service:
+            await service.watch(session_id)
+
+            def reconnects() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if "reconnecting" in r.getMessage()]
+
+            await eventually(lambda: len(reconnects()) >= 6, within=30.0)
+            loud = [r for r in reconnects() if r.levelno >= logging.INFO]
+            quiet = [r for r in reconnects() if r.levelno == logging.DEBUG]
+    assert len(loud) == 1, [r.getMessage() for r in loud]
+    assert len(quiet) >= 5
+
+
+def _reconciled(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == level and " reconciled: " in r.getMessage()
+    ]
+
+
+def _actions(message: str) -> list[str]:
+    said = message.split(" reconciled: ", 1)[1].split(";")[0]
+    return [part.rsplit(" ", 1)[0] for part in said.split(", ")]

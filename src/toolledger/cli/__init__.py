@@ -353,7 +353,8 @@ def _start_api(app: FastAPI, settings: Settings, stop: asyncio.Event, log_level:
 
     def listening(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
-        click.echo(f"audit API: http://{shown}:{port}")
+        # A log line like serve's others (JSON off a terminal), not a bare print among them.
+        logging.getLogger("toolledger.api").info("audit API: http://%s:%d", shown, port)
 
     task = asyncio.create_task(
         serve_api(

@@ -64,6 +64,23 @@ TURN_ENDS = frozenset(
 )
 ASK_AGAIN_AFTER = 10.0
 """Seconds before a session is reconciled again for the same decided call."""
+UNCHANGED_ACTIONS = frozenset(
+    {
+        "waiting_for_approval",
+        "waiting_for_operator",
+        "running_elsewhere",
+        "already_submitted",
+        "in_flight",
+        "left_alone",
+        "left_for_service",
+        "nothing_to_do",
+        "awaiting_listing",
+        "raced",
+    }
+)
+"""What a reconcile reports for a call it found as it was, and left so."""
+RECONNECTS_SAID_EVERY = 60.0
+"""Seconds between two reconnect lines of one session at info or warning (the others debug)."""
 EVENTS_ACTED_ON = TURN_ENDS | {"agent.session.requires_action", "agent.session.failed"}
 """What ``_on_event`` reads; the stream drops every other event unbuilt."""
 
@@ -100,6 +117,10 @@ class Service:
         self._wakes: dict[str, asyncio.TimerHandle] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._reconciling: dict[str, asyncio.Task[None]] = {}
+        self._reconnects: dict[str, tuple[float, int]] = {}
+        self._last_reconciled: dict[str, dict[str, int]] = {}
+        """Per session: what its last reconcile did (a repeat of a wait is said at debug)."""
+        """Per session: when its last reconnect was said, and how many were not since."""
         self._again: set[str] = set()
         self._opening_streams = asyncio.Semaphore(STREAMS_OPENING_AT_ONCE)
         self._loops: list[asyncio.Task[None]] = []
@@ -416,6 +437,8 @@ class Service:
         if wake is not None:
             wake.cancel()
         self._leases.pop(session_id, None)
+        self._reconnects.pop(session_id, None)
+        self._last_reconciled.pop(session_id, None)
         follower = self._followers.pop(session_id, None)
         reconciling = self._reconciling.pop(session_id, None)
         await _cancel_all([t for t in (follower, reconciling) if t is not None])
@@ -454,7 +477,7 @@ class Service:
                             seen.popitem(last=False)
                         if not await self._on_event(session_id, event):
                             return
-                log.info("session %s: event stream ended; reconnecting", session_id)
+                self._reconnecting(session_id, logging.INFO, "event stream ended")
             except SessionGoneError:
                 if await self._reconcile(session_id) is None:
                     return
@@ -462,21 +485,32 @@ class Service:
                 self._fail(error)
                 return
             except StreamInterruptedError as error:
-                log.info(
-                    "session %s: event stream interrupted (%s); reconnecting",
-                    session_id,
-                    self.ledger.redactor.text(str(error)),
-                )
+                interrupted = f"event stream interrupted ({self.ledger.redactor.text(str(error))})"
+                self._reconnecting(session_id, logging.INFO, interrupted)
             except Exception:
                 log_failure(log, "session %s: following failed; reconnecting", session_id)
             except BaseException as interruption:  # from a handler run during a reconcile
                 if isinstance(interruption, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
                     raise
-                log.warning(
-                    "session %s: interrupted (%s); reconnecting", session_id, type(interruption).__qualname__
+                self._reconnecting(
+                    session_id, logging.WARNING, f"interrupted ({type(interruption).__qualname__})"
                 )
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter, not secrecy
             delay = min(delay * 2, self.settings.stream_backoff_max_seconds)
+
+    def _reconnecting(self, session_id: str, level: int, why: str) -> None:
+        """Say that a session's stream reconnects: at ``level`` once a minute per session (with
+        how many were not said meanwhile), at debug in between. A flapping connection must
+        not drown the log in warnings."""
+        now = time.monotonic()
+        said_at, unsaid = self._reconnects.get(session_id, (-RECONNECTS_SAID_EVERY, 0))
+        if now - said_at < RECONNECTS_SAID_EVERY:
+            self._reconnects[session_id] = (said_at, unsaid + 1)
+            log.debug("session %s: %s; reconnecting", session_id, why)
+            return
+        self._reconnects[session_id] = (now, 0)
+        since = f" ({unsaid} more since the last said)" if unsaid else ""
+        log.log(level, "session %s: %s; reconnecting%s", session_id, why, since)
 
     async def _on_event(self, session_id: str, event: Any) -> bool:
         """Act on one event; False once the session is no longer to be followed."""
@@ -503,7 +537,14 @@ class Service:
         if result.actions:
             with log_fields(session_id=session_id):
                 waiting = "" if result.retry_in is None else f"; looking again in {result.retry_in:.1f}s"
-                log.info("session %s reconciled: %s%s", session_id, dict(result.actions), waiting)
+                # A session that only waits (for a person, another replica, its own run) is
+                # looked at every interval: said at info only when something moved.
+                actions = dict(result.actions)
+                same = self._last_reconciled.get(session_id) == actions
+                self._last_reconciled[session_id] = actions
+                level = logging.DEBUG if same and set(actions) <= UNCHANGED_ACTIONS else logging.INFO
+                done = ", ".join(f"{action} {count}" for action, count in sorted(result.actions.items()))
+                log.log(level, "session %s reconciled: %s%s", session_id, done, waiting)
         if result.stopped is not None:
             await self._drop(session_id)
             return None
