@@ -223,7 +223,7 @@ class Settings(BaseSettings):
             for variable in (f"TOOLLEDGER_{option.upper()}", SDK_VARIABLES[option][0]):
                 if variable in names:
                     return variable
-            return "set in code or .env" if value else "unset"
+            return "given by a flag, in code or in .env" if value else "unset"
 
         url = self.openai_base_url or "the SDK's default (https://api.openai.com/v1)"
         key = "a key" if self.openai_api_key is not None else "no key"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -506,13 +507,11 @@ def test_serve_api__non_loopback_address_without_a_token__exits_2_before_serving
 
 async def _audit_api_address(process: ServeProcess) -> str | None:
     for line in process.log().splitlines():
-        if line.startswith("{") and '"audit API: ' in line:
-            # A JSON log line like the others around it (serve's log is not a terminal).
-            entry = json.loads(line)
-            assert (entry["level"], entry["logger"]) == ("info", "toolledger.api")
-            message: str = entry["message"]
-            return message.removeprefix("audit API: ").strip()
-        assert not line.startswith("audit API: "), "a bare line among JSON log lines"
+        assert not line.startswith("audit API: "), "a bare line among the log lines"
+        found = re.search(r"toolledger\.api\W.*audit API: (http://[^\s\"]+)", line)
+        if found:
+            # A log line like the others around it (JSON off a terminal, text where asked).
+            return found.group(1)
     return None
 
 
