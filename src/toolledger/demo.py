@@ -287,7 +287,7 @@ def _approve(call: CallRecord, environment: dict[str, str], progress: Progress) 
     )
     if answered.returncode != 0:
         raise DemoError(f"`toolledger calls approve` failed ({answered.returncode}): {answered.stderr}")
-    progress.step(f"approved: {answered.stdout.splitlines()[0] if answered.stdout else ''}")
+    progress.step(f"approved {call.tool_name} ({APPROVER}): `toolledger serve` runs it now, once")
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import click
 
+PIPED_WIDTH = 160
+"""The summary tables' width when the output is not a terminal."""
+
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (no progress lines).")
@@ -25,6 +28,10 @@ def demo(as_json: bool, keep: Path | None) -> None:
     from toolledger.demo import DemoError, print_summary, run_demo
 
     console = Console(stderr=as_json)
+    if not console.is_terminal:
+        # Piped or logged: lines as long as they are and tables wide enough to read, not cut
+        # at an 80-column guess of a terminal that is not there.
+        console = Console(stderr=as_json, width=PIPED_WIDTH, soft_wrap=True)
     try:
         summary = run_demo(console, quiet=as_json, keep=keep)
     except DemoError as error:
