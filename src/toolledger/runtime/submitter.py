@@ -211,7 +211,7 @@ class Submitter:
                 fate = await self.close_unlisted(
                     call, may_have_landed=call.request_key is not None, session_status=listing.status
                 )
-                outcomes[call.key] = _UNLISTED_OUTCOMES[fate]
+                outcomes[call.key] = await self._unlisted_outcome(call, fate)
         _count(outcomes.values())
         if awaited:
             sent = await asyncio.gather(*(self.submit(call) for call in awaited))
@@ -230,6 +230,15 @@ class Submitter:
             return Unlisted.CONFIRMED if await store.mark_confirmed(call.key) else Unlisted.RACED
         if call.status not in RESULT_STATUSES:
             return Unlisted.RACED
+        if not may_have_landed:
+            # Read again before abandoning: another process (serve beside an operator's
+            # command, say) may have sent it meanwhile, and a call whose request went out is
+            # never told it was not answered.
+            current = await store.get(call.key)
+            if current is None or current.status not in RESULT_STATUSES:
+                return Unlisted.RACED
+            may_have_landed = current.request_key is not None
+            call = current
         if may_have_landed:
             # Were it wrong (a call the session lists again later), the call is answered
             # then all the same: a listed call's request is sent again, whatever its status.
@@ -420,7 +429,7 @@ class Submitter:
             if fate is Unlisted.AWAITING_LISTING:
                 still.append(member)
             else:
-                outcomes[member.key] = _UNLISTED_OUTCOMES[fate]
+                outcomes[member.key] = await self._unlisted_outcome(member, fate)
         if not still:
             return outcomes
         refused_whole = error.kind is SubmissionFailure.REFUSED or len(still) < len(members)
@@ -460,6 +469,13 @@ class Submitter:
         for each in posted:
             outcomes.update(each)
         return outcomes
+
+    async def _unlisted_outcome(self, call: CallRecord, fate: Unlisted) -> SubmitOutcome:
+        """What closing an unlisted call came to; a race lost is what the winner made of it."""
+        if fate is not Unlisted.RACED:
+            return _UNLISTED_OUTCOMES[fate]
+        current = await self.ledger.store.get(call.key)
+        return SubmitOutcome.NOT_SENT if current is None else _outcome_of(current)
 
     async def _listing(self, session_id: str) -> SessionListing:
         """Read the session: what it awaits now."""
