@@ -63,6 +63,26 @@ async def _answered_at(emulator: EmulatorServer, session_id: str, within: float)
     raise TimeoutError(f"session {session_id}: no result accepted within {within:.0f}s")
 
 
+async def _renew_until(database_url: str, held: CallRecord, seen: Callable[[], bool]) -> float:
+    """Renew ``held``'s lease (a few seconds at a time, with its token) until ``seen()``; then
+    let it run out. When it runs out (epoch seconds, the database's clock)."""
+    engine = create_engine(database_url)
+    try:
+        store = LedgerStore(engine, actor="holder")
+        async with asyncio.timeout(PATIENCE):
+            while True:
+                assert await store.heartbeat(held.key, held.lease_token, 3.0), "the lease was taken early"
+                if seen():
+                    break
+                await asyncio.sleep(0.2)
+        renewed = await store.get(held.key)
+    finally:
+        await engine.dispose()
+    assert renewed is not None
+    assert renewed.lease_expires_at is not None
+    return renewed.lease_expires_at.timestamp()
+
+
 async def _only_call(database_url: str, session_id: str) -> CallRecord:
     (call,) = (await ledger_calls(database_url, [session_id])).values()
     return call
@@ -144,20 +164,19 @@ def _reconcile_crashing_inside_handler(database_url: str, base_url: str, lease_s
 async def test_call_held_by_an_unregistered_process__taken_when_its_lease_runs_out__not_at_the_timer(
     database_url: str, emulator: EmulatorServer, effects_file: Path, tmp_path: Path
 ) -> None:
-    # Long enough that the serve, started after the pass died, finds it still running even
-    # on a loaded machine.
     lease = 8.0
     session_id = await _one_call_session(emulator, database_url, "notify", message="hello")
     code = await asyncio.to_thread(_reconcile_crashing_inside_handler, database_url, emulator.base_url, lease)
     assert code == -signal.SIGKILL
     held = await _only_call(database_url, session_id)
     assert held.status is CallStatus.RUNNING
-    assert held.lease_expires_at is not None
-    expiry = held.lease_expires_at.timestamp()
 
     with ServeProcess(
         database_url, emulator.base_url, tmp_path / "serve.log", settings=DEFAULT_TIMERS
     ) as serve:
+        # The holder's lease is renewed (as its heartbeat would) until serve has found the call
+        # running under it: the premise held by that event, not by how fast this machine is.
+        expiry = await _renew_until(database_url, held, lambda: "running_elsewhere" in serve.log())
         answered_at = await _answered_at(emulator, session_id, PATIENCE)
         call = await _wait_for(database_url, session_id, _submitted)
         log = serve.log()
