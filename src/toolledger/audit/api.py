@@ -13,6 +13,10 @@ resolution matching more calls than its max_calls) 409, a body over
 redacted). The OpenAPI document declares exactly these (``_openapi``), and a contract test
 holds the app to it.
 
+Every route's JSON body is parsed once, strictly (``strict_json``, through the router's
+route class): bounded in depth before any parser walks it, and refusing a key given twice
+(``{"dry_run": true, "dry_run": false}`` is not a dry run nor a run: it is 400).
+
 ``create_app`` builds the app; ``serve_api`` runs one with uvicorn until told to stop;
 ``api_server_task`` does both, for ``toolledger api`` and for ``toolledger serve --api``.
 """
@@ -23,10 +27,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +43,7 @@ from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
@@ -103,6 +109,11 @@ log = logging.getLogger("toolledger.api")
 
 MAX_BODY_BYTES = 64 * 1024
 """A resolution's text is the largest body: a tool output an operator types or pastes."""
+MAX_BODY_DEPTH = 64
+"""Objects and arrays inside one another in a body, the body's own included: deeper is 400,
+said before anything walks the body (a parser, a validator, a check of repeated keys)."""
+MAX_QUOTED_KEY_CHARS = 60
+"""A repeated key is named in the refusal, cut to this length."""
 MAX_DETAIL_CHARS = 500
 """An error message quotes what was sent; a 10 KB filter is not echoed back whole."""
 MAX_REFERENCE_CHARS = 3 * MAX_FILTER_CHARS + 2
@@ -385,12 +396,17 @@ def create_app(
         version=__version__,
         description="List, show and resolve the ledger's tool calls; list and watch sessions. "
         'Send `Authorization: Bearer <token>`. Every error is `{"detail": "..."}`; any request '
-        "the API cannot use is 400.",
+        "the API cannot use is 400. A JSON body is read strictly, on every route that takes one: "
+        f"UTF-8, nested at most {MAX_BODY_DEPTH} levels deep (objects and arrays, the body's own "
+        "included), each key at most once in an object, no NaN or Infinity; else 400, saying "
+        "which (a repeated key is named), before anything else reads the body.",
         lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
+    # Every route added from here on parses its JSON body strictly (``strict_json``).
+    app.router.route_class = _StrictJsonRoute
     if settings.api_docs:
         add_docs_routes(app)
     app.state.tokens = tokens
@@ -433,7 +449,9 @@ Audit = Annotated[AuditService, Depends(_audit)]
 # ------------------------------------------------------------------------------ routes
 
 _MEANINGS = {
-    400: "A filter, reference or body the API cannot use; the detail says which and why.",
+    400: "A filter, reference or body the API cannot use (a body nested more than "
+    f"{MAX_BODY_DEPTH} levels deep, or giving a key twice in one object, included); the detail "
+    "says which and why.",
     401: "No bearer token, or not a configured one.",
     403: "A read-only token where the ledger would change; or, with no token configured, a request "
     "not addressed to this machine's loopback address.",
@@ -1164,6 +1182,100 @@ class _BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class _StrictJsonRequest(Request):
+    """A request whose JSON body is read as ``strict_json`` says: FastAPI reads every JSON
+    body through ``Request.json``, before any dependency or validation runs."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_strict_json"):
+            self._strict_json = strict_json(await self.body())
+        return self._strict_json
+
+
+class _StrictJsonRoute(APIRoute):
+    """Every route of the app (the router's ``route_class``): its JSON body, if it takes one,
+    is parsed once, strictly (``strict_json``). Not a dependency: FastAPI parses a body before
+    it solves any dependency, so one could neither bound that parse nor see the keys a plain
+    parse keeps the last of."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_StrictJsonRequest(request.scope, request.receive))
+
+        return strict
+
+
+_JSON_SPECIAL = re.compile(r'["\\\[\]{}]')
+"""What decides JSON's nesting: quotes and backslashes (strings), brackets and braces."""
+
+
+def _deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests objects and arrays more than ``limit`` deep: one pass over
+    its quotes, backslashes and brackets, no recursion and no backtracking. On text that is
+    not JSON the count is exact up to where a parser would stop, which is all that matters:
+    it is asked before one runs."""
+    depth = 0
+    in_string = False
+    escaped_at = -1
+    for special in _JSON_SPECIAL.finditer(text):
+        at, char = special.start(), special.group()
+        if at == escaped_at:
+            continue
+        if in_string:
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def strict_json(raw: bytes) -> Any:
+    """A request body as JSON the API can use, or an HTTPException 400 saying why not: UTF-8;
+    at most MAX_BODY_DEPTH objects and arrays deep (checked before parsing); no key given twice
+    in one object (a parser keeps the last, silently: ``"dry_run": true, "dry_run": false``
+    would run for real); no NaN or Infinity; no number too long to read. Text that is not JSON
+    at all raises JSONDecodeError, which FastAPI answers as invalid (400)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPException(400, "the body is not UTF-8 text: send JSON encoded as UTF-8") from None
+    if _deeper_than(text, MAX_BODY_DEPTH):
+        raise HTTPException(
+            400, f"the body is nested more than {MAX_BODY_DEPTH} levels deep (objects and arrays)"
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_each_key_once, parse_constant=_not_json)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # int() refuses more than 4,300 digits
+        raise HTTPException(400, "the body holds a number too long to read") from None
+
+
+def _each_key_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
+        quoted = json.dumps(repeated[:MAX_QUOTED_KEY_CHARS], ensure_ascii=True)
+        raise HTTPException(
+            400, f"{quoted} is given twice in one object of the body: give each key once (which was meant?)"
+        )
+    return dict(pairs)
+
+
+def _not_json(constant: str) -> Any:
+    raise HTTPException(400, f"the body holds {constant}, which is not JSON: send a number or null")
 
 
 class _ErrorBoundary:
