@@ -33,7 +33,7 @@ async def unknown_calls(
     keys = []
     for action in actions:
         key = CallKey(session_id, action.turn_id, action.call_id)
-        effect = EffectClass.VERIFIED if action.name == "pay" else EffectClass.AT_MOST_ONCE
+        effect = EffectClass.VERIFIED if action.name in ("pay", "slow_pay") else EffectClass.AT_MOST_ONCE
         await ledger.store.record(
             key, tool_name=action.name, arguments=action.arguments, effect_class=effect, lease_seconds=0.05
         )

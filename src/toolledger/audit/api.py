@@ -236,9 +236,11 @@ class ResolveResponse(BaseModel):
 
 
 MAX_BULK_SECONDS = 120
-"""The longest one bulk resolution may take at its rate: a request held open longer is cut by
-proxies and browsers alike (the calls go on being resolved, the summary is lost). Longer runs
-are for the CLI (`toolledger calls resolve --filter`), which has no such limit."""
+"""The longest one bulk resolution may hold its request open: longer is cut by proxies and
+browsers alike (the calls would go on being resolved, the summary lost). Kept by the clock:
+a run whose time is up stops and answers what it did and what it left (``stopped_early``);
+the same request again takes up the rest. The CLI (`toolledger calls resolve --filter`) has
+no such limit."""
 BULK_NO_HOOK_HINT = (
     "verified: this API does not have the application's tools, so its verify hook cannot be asked: "
     "resolve it with `toolledger calls resolve --filter ... --tools`, or through `serve --api`"
@@ -252,8 +254,17 @@ BULK_DESCRIPTION = (
     "name, the reason, and the run's id). A `verified` call's hook is asked first where the API "
     "has the application's tools (`serve --api`); the stand-alone `toolledger api` has none and "
     f"skips those calls (`{bulk.SKIPPED_NO_HOOK}`). A dry run answers what the run would do, and "
-    f"is refused as the run would be. The run must fit in {MAX_BULK_SECONDS} s at its rate "
-    f"(matched / rate), and one selects at most {bulk.MAX_CALLS} calls: for more, use "
+    f"is refused as the run would be. One run selects at most {bulk.MAX_CALLS} calls, and must "
+    f"fit `max_seconds` (at most {MAX_BULK_SECONDS}, the default) at its rate (matched / rate), "
+    "else 400.\n\n"
+    "**The time is kept by the clock.** Resolving a call takes its own time too (a verify hook, "
+    "a submission), so a run may not end when its rate says. No call is started that, taking as "
+    "long as the slowest so far, would end after `max_seconds` (counted from when the request "
+    "arrived); a call under way is always finished. The answer then says `stopped_early: true`, "
+    "with `done` (the calls gone through, each in `calls`) and `left` (the calls not reached: "
+    "untouched, still unknown), and `how_to_continue`: send the same request again, which selects "
+    "only the calls still unknown (those resolved are not, those skipped are again), until "
+    "`stopped_early` is false. Nothing is resolved after the answer. For one long run, use "
     "`toolledger calls resolve --filter`."
 )
 
@@ -267,8 +278,8 @@ class _BulkOptions(BaseModel):
         default=bulk.DEFAULT_RATE,
         gt=0,
         le=bulk.MAX_RATE,
-        description="Calls resolved per second at most. The run must fit "
-        f"{MAX_BULK_SECONDS} s at this rate (matched / rate), else 400.",
+        description="Calls resolved per second at most. The run must fit `max_seconds` at this "
+        "rate (matched / rate), else 400.",
     )
     max_calls: int | None = Field(
         default=None,
@@ -276,6 +287,14 @@ class _BulkOptions(BaseModel):
         le=bulk.MAX_CALLS,
         description="Refuse (409) if more calls match than this: send a dry run's `matched`, so "
         "that calls recorded since the dry run are not resolved unseen.",
+    )
+    max_seconds: float = Field(
+        default=MAX_BULK_SECONDS,
+        gt=0,
+        le=MAX_BULK_SECONDS,
+        description="How long this request may take, in seconds, from its arrival (at most "
+        f"{MAX_BULK_SECONDS}, the default): lower it to fit a proxy's timeout. Kept by the clock: "
+        "the run stops in time and says what it left (`stopped_early`).",
     )
 
 
@@ -314,9 +333,22 @@ class BulkResolveResponse(BaseModel):
     dry_run: bool
     matched: int = Field(description="The unknown calls the filters selected.")
     estimated_seconds: float = Field(description="matched / rate: how long the run takes, at least.")
+    stopped_early: bool = Field(
+        description="true: `max_seconds` ran out before every matched call was reached; `left` "
+        "calls were not touched. Send the same request again to go on (`how_to_continue`). "
+        "Always false for a dry run."
+    )
+    done: int = Field(
+        description="Calls gone through (resolved, settled by a hook, or skipped): each in `calls`."
+    )
+    left: int = Field(description="Matched calls not reached (stopped early): untouched, still unknown.")
+    how_to_continue: str | None = Field(
+        description="When stopped early: what to send to resolve the calls left. Else null."
+    )
+    elapsed_seconds: float = Field(description="How long the run took (not counting the selection).")
     counts: dict[str, int] = Field(description="How many calls came to each action.")
     calls: list[BulkResolveItem] = Field(
-        description="Each call, in the order resolved (newest first, as listed)."
+        description="Each call gone through, in the order resolved (newest first, as listed)."
     )
 
 
@@ -777,6 +809,7 @@ async def bulk_resolve(
     request: Request,
 ) -> BulkResolveResponse:
     """Every unknown call ``filters`` select, resolved one by one (BULK_DESCRIPTION)."""
+    stop_at = asyncio.get_running_loop().time() + body.max_seconds
     if filters is None:
         raise QueryError("only calls whose outcome is unknown can be resolved: filter on status unknown")
     if not _narrows(filters):
@@ -793,25 +826,31 @@ async def bulk_resolve(
     resolver = bulk.BulkResolver(_audit(request), rate=body.rate, no_hook_hint=BULK_NO_HOOK_HINT)
     calls = await resolver.matching(filters)
     seconds = len(calls) / body.rate
-    if seconds > MAX_BULK_SECONDS:
+    if seconds > body.max_seconds:
         raise QueryError(
             f"{len(calls)} calls at {body.rate:g} per second take {seconds:.0f} s, more than the "
-            f"{MAX_BULK_SECONDS} s one request may: narrow the filters, raise the rate (at most "
-            f"{bulk.MAX_RATE:g}), or use `toolledger calls resolve --filter`"
+            f"{body.max_seconds:g} s this request may (max_seconds, at most {MAX_BULK_SECONDS}): "
+            f"narrow the filters, raise the rate (at most {bulk.MAX_RATE:g}), or use "
+            "`toolledger calls resolve --filter`"
         )
     if body.max_calls is not None and len(calls) > body.max_calls:
         raise NotResolvableError(
             f"the filters now select {len(calls)} unknown calls, more than max_calls "
             f"({body.max_calls}): look again with a dry run"
         )
-    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run)
+    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run, stop_at=stop_at)
     if not body.dry_run:
         log.info(
-            "bulk resolution %s by %s: %d call(s) by %s: %s",
+            "bulk resolution %s by %s: %d of %d call(s) by %s in %.1f s%s: %s",
             report.run_id,
             resolution.operator,
+            report.done,
             report.matched,
             resolution.kind.value,
+            report.elapsed_seconds,
+            f" (stopped at max_seconds {body.max_seconds:g}: {report.left} left)"
+            if report.stopped_early
+            else "",
             report.counts,
         )
     return BulkResolveResponse.model_validate(
@@ -820,9 +859,25 @@ async def bulk_resolve(
             "dry_run": report.dry_run,
             "matched": report.matched,
             "estimated_seconds": seconds,
+            "stopped_early": report.stopped_early,
+            "done": report.done,
+            "left": report.left,
+            "how_to_continue": _how_to_continue(report, body.max_seconds),
+            "elapsed_seconds": round(report.elapsed_seconds, 3),
             "counts": report.counts,
             "calls": [{"action": i.action, "note": i.note, "call": i.call} for i in report.items],
         }
+    )
+
+
+def _how_to_continue(report: bulk.BulkReport, max_seconds: float) -> str | None:
+    if not report.stopped_early:
+        return None
+    return (
+        f"stopped at max_seconds ({max_seconds:g} s) after {report.done} of {report.matched} calls; "
+        f"the {report.left} left are untouched: send the same request again (it selects only the "
+        "calls still unknown) until stopped_early is false, or resolve them with "
+        "`toolledger calls resolve --filter`"
     )
 
 
