@@ -7,6 +7,7 @@ it cannot serve safely is refused before anything changes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -234,3 +235,108 @@ async def test_bulk_resolve__refused_before_anything_changes(
     assert set(after.values()) == {CallStatus.UNKNOWN}
     assert events_after == events_before
     assert accepted_payloads(emulator, session_id) == []
+
+
+# ------------------------------------------------- the time cap, kept by the clock (issue 31)
+
+
+async def test_bulk_resolve__a_run_slower_than_its_rate__stops_at_max_seconds__says_done_and_left(
+    database_url: str, emulator: EmulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's 10,000-call run held its request open 472 s against a cap of 120:
+    resolving a call takes its own time. Here each verify hook takes 0.3 s, so 8 calls at 1000
+    per second (an estimate of 8 ms) take 2.4 s at least: with max_seconds 1 the run stops in
+    time, answers what it did and what it left, and resolves nothing after the answer. The
+    same request again takes up the rest, each call's hook asked once in all."""
+    monkeypatch.setattr(bulk_tools, "ASKED", [])
+    max_seconds = 1.0
+    async with running_ledger(bulk_tools.registry, database_url, emulator) as ledger:
+        session_id, keys = await unknown_calls(
+            ledger, emulator, [("slow_pay", {"cents": n}) for n in range(8)]
+        )
+        app = create_app(api_settings(database_url, emulator.base_url), registry=bulk_tools.registry)
+        body = {
+            "kind": "output",
+            "text": "charged",
+            "reason": "incident 9",
+            "rate": 1000,
+            "dry_run": False,
+            "max_seconds": max_seconds,
+        }
+        selected = {"session_id": session_id}
+        async with serving(app) as client:
+            started = time.monotonic()
+            first = await client.post("/api/bulk/resolve", params=selected, json=body, headers=FULL)
+            took = time.monotonic() - started
+            asked_by_the_answer = list(bulk_tools.ASKED)
+            at_the_answer = await statuses(ledger, keys)
+            await asyncio.sleep(3 * bulk_tools.SLOW_HOOK_SECONDS)
+            a_while_later = await statuses(ledger, keys)
+            asked_a_while_later = list(bulk_tools.ASKED)
+            rounds = [first.json()]
+            while rounds[-1]["stopped_early"] and len(rounds) < 12:
+                again = await client.post("/api/bulk/resolve", params=selected, json=body, headers=FULL)
+                assert again.status_code == 200, again.text
+                rounds.append(again.json())
+        at_the_end = await statuses(ledger, keys)
+
+    assert first.status_code == 200, first.text
+    answer = first.json()
+    assert answer["stopped_early"] is True
+    assert answer["matched"] == 8
+    assert 1 <= answer["done"] < 8
+    assert answer["done"] + answer["left"] == 8
+    assert len(answer["calls"]) == answer["done"]
+    assert answer["counts"] == {"settled_by_verify_hook": answer["done"]}
+    assert "send the same request again" in answer["how_to_continue"]
+    assert f"{answer['left']} left" in answer["how_to_continue"]
+    assert answer["elapsed_seconds"] <= max_seconds + 0.5
+    assert took <= max_seconds + 1.0, "answered near the cap, not after every call (2.4 s and more)"
+
+    # What the answer says is what the ledger holds, and nothing moved after it.
+    resolved = {key.call_id for key, status in at_the_answer.items() if status is not CallStatus.UNKNOWN}
+    assert resolved == {item["call"]["call_id"] for item in answer["calls"]}
+    assert a_while_later == at_the_answer
+    assert asked_a_while_later == asked_by_the_answer
+    assert len(asked_by_the_answer) == answer["done"]
+
+    # Going on: the same request, until it is not stopped early.
+    assert rounds[-1]["stopped_early"] is False
+    assert rounds[-1]["how_to_continue"] is None
+    assert rounds[-1]["left"] == 0
+    assert sum(r["done"] for r in rounds) == 8
+    assert [r["matched"] for r in rounds[1:]] == [r["left"] for r in rounds[:-1]]
+    assert set(at_the_end.values()) == {CallStatus.SUBMITTED}
+    assert sorted(bulk_tools.ASKED) == sorted(key.idempotency_key for key in keys), "each hook asked once"
+    received = [p["call_id"] for p in accepted_payloads(emulator, session_id)]
+    assert sorted(received) == sorted(key.call_id for key in keys), "each call answered once"
+
+
+async def test_bulk_resolve__max_seconds__bounds_the_estimate_too(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """Three calls at 2 per second take 1.5 s: over a max_seconds of 1, refused before anything
+    changes (as over the default 120 s); max_seconds over 120, or 0, is not a cap."""
+    async with running_ledger(bulk_tools.registry, database_url, emulator) as ledger:
+        session_id, keys = await unknown_calls(
+            ledger, emulator, [("charge", {"cents": 1}), ("charge", {"cents": 2}), ("charge", {"cents": 3})]
+        )
+        app = create_app(api_settings(database_url, emulator.base_url))
+        body = {"kind": "error", "text": "no", "reason": "r", "dry_run": False, "rate": 2}
+        async with serving(app) as client:
+            answers = {
+                seconds: await client.post(
+                    "/api/bulk/resolve",
+                    params={"session_id": session_id},
+                    json={**body, "max_seconds": seconds},
+                    headers=FULL,
+                )
+                for seconds in (1, 0, MAX_BULK_SECONDS + 1)
+            }
+        after = await statuses(ledger, keys)
+    assert answers[1].status_code == 400
+    assert "more than the 1 s this request may (max_seconds" in answers[1].json()["detail"]
+    for seconds in (0, MAX_BULK_SECONDS + 1):
+        assert answers[seconds].status_code == 400
+        assert "max_seconds" in answers[seconds].json()["detail"]
+    assert set(after.values()) == {CallStatus.UNKNOWN}

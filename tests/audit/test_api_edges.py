@@ -19,6 +19,7 @@ from html.parser import HTMLParser
 import httpx
 import pytest
 from click.testing import CliRunner, Result
+from fastapi.routing import APIRoute
 from pydantic import SecretStr
 
 from tests.support.api_server import (
@@ -33,7 +34,7 @@ from tests.support.api_server import (
 )
 from tests.support.calls_cli import add_unknown_call, cli
 from tests.support.shop_tools import registry as shop_tools
-from toolledger.audit.api import create_app
+from toolledger.audit.api import MAX_BODY_DEPTH, _StrictJsonRoute, create_app
 from toolledger.audit.auth import ApiConfigurationError
 from toolledger.audit.service import ResolveAction
 from toolledger.cli import main
@@ -465,3 +466,188 @@ def test_metrics_token__masked_in_logs_and_config(sqlite_url: str) -> None:
     shown = CliRunner().invoke(main, ["config", "--json"], env={"TOOLLEDGER_METRICS_TOKEN": SCRAPER}).stdout
     assert "TOOLLEDGER_METRICS_TOKEN" in shown
     assert SCRAPER not in shown
+
+
+# ------------------------------------- 8: bodies nested too deeply, keys given twice (issue 31)
+
+
+async def gated_and_unknown_calls(url: str, session_id: str) -> tuple[CallKey, CallKey]:
+    """A call awaiting approval and an unknown one, in one session (watched)."""
+    gated, unknown = (
+        CallKey(session_id, "turn_1", "call_gated"),
+        CallKey(session_id, "turn_1", "call_unknown"),
+    )
+    await add_unknown_call(url, unknown, "charge_card", CHARGE)
+    engine = create_engine(url)
+    try:
+        await LedgerStore(engine, actor="edges-test").record_for_approval(
+            gated,
+            tool_name="refund",
+            arguments={"order_id": "A1", "cents": 900},
+            effect_class=EffectClass.AT_MOST_ONCE,
+            approval_seconds=None,
+        )
+    finally:
+        await engine.dispose()
+    return gated, unknown
+
+
+def nested_object(depth: int) -> str:
+    """A JSON object ``depth`` levels deep: {"a": {"a": ... 1 ...}}."""
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def nested_array(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def body_routes(gated: CallKey, unknown: CallKey, session_id: str) -> dict[str, str]:
+    """Every route that reads a JSON body, by name: its path."""
+    return {
+        "resolve": f"/api/calls/{unknown}/resolve",
+        "approve": f"/api/calls/{gated}/approve",
+        "deny": f"/api/calls/{gated}/deny",
+        "bulk": f"/api/bulk/resolve?session_id={session_id}",
+        "unwatch": f"/api/sessions/{session_id}/unwatch",
+    }
+
+
+def deep_bodies(route: str, depth: int) -> list[str]:
+    """Bodies ``depth`` levels deep in all (the body's own object counts as one): nested in a
+    field the route takes (the approval's arguments, a resolution's text), and a bare array."""
+    if route == "approve":
+        field = f'"arguments": {nested_object(depth - 1)}'
+    else:
+        field = f'"text": {nested_array(depth - 1)}'
+    return [f'{{"reason": "r", {field}}}', nested_array(depth)]
+
+
+async def post_raw(client: httpx.AsyncClient, path: str, body: str) -> httpx.Response:
+    return await client.post(
+        path, content=body.encode(), headers={**FULL, "Content-Type": "application/json"}
+    )
+
+
+async def test_bodies_nested_too_deeply__400_on_every_body_route__never_500(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe's 500: an approval's body nested 952-955 levels deep raised RecursionError
+    after FastAPI had parsed it (deeper, FastAPI's own parse failed: 400). Every body deeper
+    than MAX_BODY_DEPTH is now refused, in so many words, before anything walks it."""
+    gated, unknown = await gated_and_unknown_calls(database_url, "sess_deep")
+    routes = body_routes(gated, unknown, "sess_deep")
+    depths = [MAX_BODY_DEPTH + 1, 200, *range(940, 1001), 3_000, 10_000]
+    caplog.set_level(logging.INFO)
+    async with serving(create_app(api_settings(database_url))) as client:
+        await client.post("/api/sessions/sess_deep/watch", headers=FULL)
+        answers = {
+            (route, depth, shape): await post_raw(client, path, body)
+            for route, path in routes.items()
+            for depth in depths
+            if route == "approve" or depth in (MAX_BODY_DEPTH + 1, 953, 10_000)
+            for shape, body in enumerate(deep_bodies(route, depth))
+        }
+        gated_after = (await client.get(f"/api/calls/{gated}", headers=READ)).json()["call"]["status"]
+        unknown_after = (await client.get(f"/api/calls/{unknown}", headers=READ)).json()["call"]["status"]
+        watched = (await client.get("/api/sessions/sess_deep", headers=READ)).json()["watched"]
+
+    wrong = {
+        where: (answer.status_code, answer.text[:120])
+        for where, answer in answers.items()
+        if answer.status_code != 400 or "nested more than 64 levels deep" not in answer.json()["detail"]
+    }
+    assert wrong == {}
+    assert (gated_after, unknown_after, watched) == ("awaiting_approval", "unknown", True)
+    assert server_errors(caplog) == []
+
+
+async def test_a_body_at_the_depth_limit__taken(database_url: str) -> None:
+    gated, _ = await gated_and_unknown_calls(database_url, "sess_at_limit")
+    body = f'{{"reason": "checked", "arguments": {nested_object(MAX_BODY_DEPTH - 1)}}}'
+    async with serving(create_app(api_settings(database_url))) as client:
+        approved = await post_raw(client, f"/api/calls/{gated}/approve", body)
+    assert approved.status_code == 200, approved.text
+    assert approved.json()["call"]["status"] == "pending"
+
+
+REPEATED_KEYS = {
+    # The probe's case: the dry run said true, the last key false, and five calls were resolved.
+    "bulk": ('{"kind": "error", "text": "no", "reason": "r", "dry_run": true, "dry_run": false}', "dry_run"),
+    "resolve": ('{"kind": "error", "text": "no", "reason": "first", "reason": "second"}', "reason"),
+    "approve": ('{"reason": "r", "arguments": {"order_id": "A1", "cents": 9, "cents": 900}}', "cents"),
+    "deny": ('{"reason": "r", "arguments_sha256": null, "reason": "s"}', "reason"),
+    "unwatch": ('{"reason": "one", "reason": "two"}', "reason"),
+}
+
+
+async def test_a_key_given_twice__400_naming_it_on_every_body_route__nothing_changes(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    gated, unknown = await gated_and_unknown_calls(database_url, "sess_twice")
+    others = [CallKey("sess_twice", "turn_2", f"call_{n}") for n in range(3)]
+    for key in others:
+        await add_unknown_call(database_url, key, "charge_card", CHARGE)
+    routes = body_routes(gated, unknown, "sess_twice")
+    assert set(routes) == set(REPEATED_KEYS)
+    async with serving(create_app(api_settings(database_url, emulator.base_url))) as client:
+        await client.post("/api/sessions/sess_twice/watch", headers=FULL)
+        answers = {
+            route: await post_raw(client, routes[route], body) for route, (body, _) in REPEATED_KEYS.items()
+        }
+        nested = await post_raw(
+            client,
+            routes["bulk"],
+            '{"kind": "error", "text": "no", "reason": "r", "dry_run": true, "x": {"k": 1, "k": 2}}',
+        )
+        after = {
+            key: (await client.get(f"/api/calls/{key}", headers=READ)).json()["call"]["status"]
+            for key in (gated, unknown, *others)
+        }
+        watched = (await client.get("/api/sessions/sess_twice", headers=READ)).json()["watched"]
+
+    for route, (_, name) in REPEATED_KEYS.items():
+        answer = answers[route]
+        assert answer.status_code == 400, (route, answer.text)
+        assert f'"{name}" is given twice' in answer.json()["detail"], (route, answer.text)
+    assert nested.status_code == 400
+    assert '"k" is given twice' in nested.json()["detail"]
+    assert after == {gated: "awaiting_approval", unknown: "unknown", **{key: "unknown" for key in others}}
+    assert watched is True
+    assert emulator.control.tool_results("sess_twice") == []
+
+
+async def test_bodies_json_cannot_hold__400_in_one_line(database_url: str) -> None:
+    """Not JSON as RFC 8259 has it (NaN, Infinity, bytes that are not UTF-8), or a number no
+    parser should be asked to build: refused in one line, like any body the API cannot use."""
+    _, unknown = await gated_and_unknown_calls(database_url, "sess_odd")
+    path = f"/api/calls/{unknown}/resolve"
+    async with serving(create_app(api_settings(database_url))) as client:
+        for body, says in (
+            (b'{"kind": "output", "text": "t", "reason": "r", "x": NaN}', "NaN"),
+            (b'{"kind": "output", "text": "t", "reason": "r", "x": -Infinity}', "Infinity"),
+            (b'{"kind": "output", "text": "t", "reason": "\xff\xfe"}', "UTF-8"),
+            (b'{"kind": "output", "text": "t", "reason": "r", "x": ' + b"9" * 5000 + b"}", "number"),
+        ):
+            answer = await client.post(
+                path, content=body, headers={**FULL, "Content-Type": "application/json"}
+            )
+            assert answer.status_code == 400, (body[:60], answer.text)
+            assert says in answer.json()["detail"], (body[:60], answer.text)
+        shown = await client.get(f"/api/calls/{unknown}", headers=READ)
+    assert shown.json()["call"]["status"] == "unknown"
+
+
+def test_every_route_parses_its_body_strictly(sqlite_url: str) -> None:
+    """One mechanism for every body: the router's route class. A route added another way
+    (and so parsing its body as FastAPI does, keeping the last of a repeated key) fails here."""
+    app = create_app(api_settings(sqlite_url))
+    routes = [route for route in app.routes if isinstance(route, APIRoute)]
+    with_body = {route.path for route in routes if route.body_field is not None}
+    assert with_body == {
+        "/api/calls/{ref:path}/resolve",
+        "/api/calls/{ref:path}/approve",
+        "/api/calls/{ref:path}/deny",
+        "/api/bulk/resolve",
+        "/api/sessions/{session_id}/unwatch",
+    }
+    assert [route.path for route in routes if not isinstance(route, _StrictJsonRoute)] == []

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 from typing import Any
 
@@ -14,6 +20,7 @@ from click.testing import CliRunner
 
 from tests.audit import bulk_tools
 from tests.support.executor_harness import pending_actions, running_ledger
+from tests.support.paths import ROOT
 from toolledger.cli import main
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import CallStatus, EffectClass
@@ -33,7 +40,7 @@ async def unknown_calls(
     keys = []
     for action in actions:
         key = CallKey(session_id, action.turn_id, action.call_id)
-        effect = EffectClass.VERIFIED if action.name == "pay" else EffectClass.AT_MOST_ONCE
+        effect = EffectClass.VERIFIED if action.name in ("pay", "slow_pay") else EffectClass.AT_MOST_ONCE
         await ledger.store.record(
             key, tool_name=action.name, arguments=action.arguments, effect_class=effect, lease_seconds=0.05
         )
@@ -198,3 +205,98 @@ async def test_bulk_resolve__guards(database_url: str, emulator: EmulatorServer)
     assert call is not None
     assert call.status is CallStatus.UNKNOWN
     assert accepted_payloads(emulator, session_id) == []
+
+
+# ------------------------------------------------------------- Ctrl-C (issue 31)
+
+INTERRUPTED = re.compile(r"^interrupted: (\d+) resolved, (\d+) left \(bulk ([0-9a-f]{12})[,)]", re.MULTILINE)
+
+
+def interrupted_cli(arguments: list[str], after: str, within: float = 60) -> tuple[int, str, str]:
+    """`toolledger ARGUMENTS` as a real process, sent SIGINT (Ctrl-C) once its stderr says
+    ``after``: its exit code, stdout and stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "toolledger.cli", *arguments],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read_until_seen() -> None:  # readline blocks: a thread of its own
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if after in line:
+                seen.set()
+                return
+
+    try:
+        threading.Thread(target=read_until_seen, daemon=True).start()
+        assert seen.wait(within), f"no {after!r} on stderr within {within} s: {''.join(lines)[-2000:]}"
+        process.send_signal(signal.SIGINT)
+        stdout, rest = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, stdout, "".join(lines) + rest
+
+
+async def test_bulk_resolve__ctrl_c__says_how_many_resolved_and_left_and_the_run_id(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """A real `toolledger calls resolve --filter` process, SIGINTed in the middle of its run:
+    it says how far it went (each call it reports resolved is resolved in the ledger, the call
+    under way finished first, never cut between its record and its submission) and the run's
+    id, and exits 130 without a traceback."""
+    async with running_ledger(bulk_tools.registry, database_url, emulator) as ledger:
+        session_id, keys = await unknown_calls(
+            ledger, emulator, [("charge", {"cents": n}) for n in range(10)]
+        )
+        arguments = [
+            "calls",
+            "resolve",
+            "--filter",
+            "--session",
+            session_id,
+            "--error",
+            "the provider was down: not charged",
+            "--reason",
+            "incident 43",
+            "--rate",
+            "2",
+            "--yes",
+            "--database-url",
+            database_url,
+            "--base-url",
+            emulator.base_url,
+        ]
+        code, stdout, stderr = await asyncio.to_thread(interrupted_cli, arguments, after="[3/10]")
+        calls = {key: await ledger.store.get(key) for key in keys}
+        trails = {key: await ledger.store.events(key) for key in keys}
+
+    assert code == 130, (code, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr
+    found = INTERRUPTED.search(stderr)
+    assert found is not None, stderr
+    resolved, left, run_id = int(found[1]), int(found[2]), found[3]
+    assert resolved >= 3
+    assert resolved + left == 10
+    assert "run the same command again" in stderr
+    assert stdout == ""
+    settled = [
+        key for key, call in calls.items() if call is not None and call.status is not CallStatus.UNKNOWN
+    ]
+    assert len(settled) == resolved, "what it says it resolved is what the ledger holds"
+    for key in settled:
+        reasons = [e.reason or "" for e in trails[key] if e.to_status == "failed"]
+        assert len(reasons) == 1
+        assert f"incident 43 (bulk {run_id}, " in reasons[0]
+    payloads = accepted_payloads(emulator, session_id)
+    assert sorted(p["call_id"] for p in payloads) == sorted(key.call_id for key in settled), (
+        "each call resolved was submitted whole, once"
+    )

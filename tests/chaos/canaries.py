@@ -22,12 +22,13 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+from pydantic import AfterValidator
 from sqlalchemy import MetaData, text
 
 from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS, MASK
-from toolledger.domain.results import ToolError
+from toolledger.domain.results import MaybeExecuted, NotExecuted, ToolError
 from toolledger.runtime.context import ToolContext
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.store.engine import create_engine
@@ -375,6 +376,81 @@ async def database_error(ctx: ToolContext) -> str:
     columns = ", ".join(f":{name}" for name in parameters)
     await ctx.db.execute(text(f"SELECT {columns} FROM no_such_table_of_canaries"), parameters)  # noqa: S608
     return "unreachable"
+
+
+# ------------------------------------ bare values of the call's own secret fields (issue 31)
+# A handler quoting what it was given, with no field name beside it: no shape to find, only
+# the values themselves. Each is in the call's arguments under a secret-named field.
+
+
+def _luhn(number: str) -> str:
+    """A validator that quotes what it refuses (as many do): its words reach the model."""
+    raise ValueError(f"{number} is not a card number")
+
+
+def quoted_arguments() -> dict[str, Any]:
+    """The values the tools below quote: every default secret field and the custom one."""
+    return {
+        "card_number": CANARIES.fields["card_number"],
+        "cvv": CANARIES.fields["cvv"],
+        "signing_key": CANARIES.fields[CUSTOM_FIELD],
+    }
+
+
+def nested_quoted_arguments() -> dict[str, Any]:
+    """A secret field deep in the arguments, and one holding an object."""
+    return {
+        "order": {"id": "ord_42", "payment": {"card_number": CANARIES.fields["card_number"]}},
+        "authorization": {"scheme": "custom", "parts": [CANARIES.fields["token"], 7]},
+    }
+
+
+@registry.tool(name="decline_quoting_values")
+def decline_quoting_values(card_number: str, cvv: str, signing_key: str) -> str:
+    """The probe's ``ValueError(f"declined for {pin}")``, with a cause quoting a repr."""
+    try:
+        raise ConnectionError(f"provider said no to {cvv!r} and {signing_key!r}")
+    except ConnectionError as cause:
+        raise ValueError(f"declined for {card_number}") from cause
+
+
+@registry.tool(name="tool_error_quoting_values")
+def tool_error_quoting_values(card_number: str, cvv: str, signing_key: str) -> str:
+    """The probe's ``ToolError(f"card {pin} declined")``: meant for the model."""
+    raise ToolError(f"card {card_number} declined (cvv {cvv}, key {signing_key})")
+
+
+@registry.tool(name="not_executed_quoting_values")
+def not_executed_quoting_values(card_number: str, cvv: str, signing_key: str) -> str:
+    raise NotExecuted(f"card {card_number} was refused before anything was sent")
+
+
+@registry.tool(name="maybe_quoting_values")
+def maybe_quoting_values(card_number: str, cvv: str, signing_key: str) -> str:
+    """at_most_once: the call becomes unknown, the message its audit reason."""
+    raise MaybeExecuted(f"timed out charging {card_number} with {signing_key}")
+
+
+def _hook_quoting_values(ctx: ToolContext) -> Any:
+    """A verify hook whose lookup fails quoting the card it looked for."""
+    raise LookupError(f"the provider has no charge for {CANARIES.fields['card_number']}")
+
+
+@registry.tool(name="verified_quoting_values", effect="verified", verify=_hook_quoting_values)
+def verified_quoting_values(card_number: str, cvv: str, signing_key: str) -> str:
+    """In doubt, then its hook fails: the traceback is kept in the audit trail."""
+    raise MaybeExecuted("no answer from the provider")
+
+
+@registry.tool(name="nested_quoting_values")
+def nested_quoting_values(order: dict[str, Any], authorization: dict[str, Any]) -> str:
+    number = order["payment"]["card_number"]
+    raise RuntimeError(f"order {order['id']}: card {number} failed; credentials {authorization['parts']}")
+
+
+@registry.tool(name="invalid_quoting_values")
+def invalid_quoting_values(card_number: Annotated[str, AfterValidator(_luhn)], signing_key: str) -> str:
+    raise AssertionError("its arguments never validate")
 
 
 # --------------------------------------------------------- benign look-alikes

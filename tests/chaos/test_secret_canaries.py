@@ -62,9 +62,13 @@ from tests.chaos.canaries import (
     ledger_values,
     recording_emulator,
 )
+from tests.support.api_server import FULL as API_FULL
+from tests.support.api_server import READ as API_READ
+from tests.support.api_server import api_settings, serving
 from tests.support.executor_harness import FunctionCallAction, wait_for_actions
 from tests.support.polling import eventually
 from tests.support.serve_process import ServeProcess, run_cli
+from toolledger.audit.api import create_app
 from toolledger.domain.redaction import DEFAULT_REDACTOR, MASK, Redactor
 from toolledger.domain.results import (
     FAILED_MESSAGE,
@@ -348,6 +352,62 @@ def test_redactor__1000_benign_strings__pass_through_unchanged() -> None:
         assert redactor.value(record) == record
 
 
+# --------------------------------------- the redactor for one call's own values (issue 31)
+
+
+def test_for_call__the_calls_secret_values__masked_bare_as_json_and_repr_spell_them() -> None:
+    redactor = _full_redactor()
+    pin, key = 'CANARYpin-ö"q8Zx', CANARIES.fields[canaries.CUSTOM_FIELD]
+    arguments = {
+        "amount": 1200,
+        "password": pin,
+        "nested": [{canaries.CUSTOM_FIELD: key}],
+        "authorization": {"scheme": "custom", "parts": ["CANARYpart0123", 987654]},
+    }
+    call = redactor.for_call(arguments)
+    # Everything a secret-named field holds is secret, as the views mask it whole.
+    assert set(redactor.secret_values(arguments)) == {pin, key, "custom", "CANARYpart0123", "987654"}
+    for spelled in (pin, json.dumps(pin)[1:-1], repr(pin)[1:-1]):
+        assert call.text(f"declined for {spelled}.") == f"declined for {MASK}."
+    assert call.text(f"ValueError('{key}', 987654)") == f"ValueError('{MASK}', {MASK})"
+    assert call.text("CANARYpart0123 and 1200") == f"{MASK} and 1200", "only the secret fields' values"
+    # Only this call's: the redactor it came from is unchanged, and so are other calls'.
+    assert redactor.text(f"declined for {pin}") == f"declined for {pin}"
+    assert redactor.for_call({"amount": 1}) is redactor
+
+
+def test_for_call__short_values__masked_as_whole_words_only() -> None:
+    """A cvv's 3 digits, a PIN's 4: masked where they stand alone, not inside a longer number
+    or word (a line number that happens to equal a cvv is masked: a secret outranks it)."""
+    call = DEFAULT_REDACTOR.for_call({"cvv": "123", "password": "4821", "token": "ab", "ssn": True})
+    assert call.text("cvv 123 refused; pin 4821.") == f"cvv {MASK} refused; pin {MASK}."
+    assert call.text("order 51234, 48210 items, x123") == "order 51234, 48210 items, x123"
+    assert call.text('File "h.py", line 123') == f'File "h.py", line {MASK}'
+    assert call.text("ab True about") == "ab True about", "under 3 characters, and booleans: not searched"
+
+
+@given(
+    value=st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), min_size=6, max_size=40),
+    before=st.text(max_size=30),
+    after=st.text(max_size=30),
+)
+@settings(max_examples=300, deadline=None)
+def test_for_call__any_value_of_six_characters_or_more__never_left_in_text(
+    value: str, before: str, after: str
+) -> None:
+    call = DEFAULT_REDACTOR.for_call({"api_key": value})
+    for spelled in (value, json.dumps(value)[1:-1], repr(value)[1:-1]):
+        masked = call.text(before + spelled + after)
+        assert spelled not in masked or spelled in MASK
+
+
+def test_for_call__1000_benign_strings__untouched_by_a_calls_values() -> None:
+    """The values themselves are masked, nothing else: text that does not hold them passes."""
+    call = _full_redactor().for_call(canaries.quoted_arguments() | {"cvv": "731", "password": "4821"})
+    strings = benign_strings(1000)
+    assert [s for s in strings if call.text(s) != s] == []
+
+
 # ------------------------------------------------------- R13: an in-process ledger
 
 
@@ -517,6 +577,144 @@ async def test_in_process_ledger__http_errors_quoting_canaries_and_a_failed_sess
     assert await scan_ledger(ledger_url, planting, whole_arguments={}, whole_results={})
 
 
+# -------------------------- R13: the bare values of a call's own secret fields (issue 31)
+
+
+QUOTED_FIELDS = ("card_number", "cvv", canaries.CUSTOM_FIELD, "token")
+"""The secret fields whose values the quoting tools are given (token: inside an object)."""
+
+
+def quoting_scenarios() -> dict[str, Scenario]:
+    quoted, nested = canaries.quoted_arguments(), canaries.nested_quoted_arguments()
+    return {
+        "value_error": Scenario("decline_quoting_values", quoted),
+        "tool_error": Scenario("tool_error_quoting_values", quoted),
+        "not_executed": Scenario("not_executed_quoting_values", quoted),
+        "maybe_executed": Scenario("maybe_quoting_values", quoted),
+        "verify_hook_failed": Scenario("verified_quoting_values", quoted),
+        "nested": Scenario("nested_quoting_values", nested),
+        "invalid": Scenario("invalid_quoting_values", {k: v for k, v in quoted.items() if k != "cvv"}),
+    }
+
+
+async def test_bare_values_of_the_calls_secret_fields__never_stored_sent_shown_or_exported(
+    ledger_url: str,
+    recorded: tuple[EmulatorServer, RecordingFront],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's finding: ``ValueError(f"declined for {pin}")`` kept the bare value in
+    ``error_detail`` (API, exports, ``calls list --json``), and ``ToolError(f"card {pin}
+    declined")`` reached the model in clear: no shape, no field name beside the value. The
+    call's own secret-field values are now masked as literals wherever its text is stored or
+    sent. Tools run through the ledger against the emulator over HTTP with the real SDK; then
+    every request the emulator received, every ledger column (but the arguments, kept whole
+    for a re-run), the log, the audit API's list, detail and exports, and `toolledger calls
+    list/show/export` are searched."""
+    emulator, front = recorded
+    capture_logs(caplog)
+    monkeypatch.setenv("TOOLLEDGER_SECRET_FIELDS", json.dumps(sorted(SECRET_FIELDS)))
+    quoted = [c for c in everything(db_password=False) if c.name in {f"field_{f}" for f in QUOTED_FIELDS}]
+    assert len(quoted) == len(QUOTED_FIELDS)
+    scenarios = quoting_scenarios()
+    async with ToolLedger(
+        canaries.registry, configured_settings(ledger_url, emulator.base_url), auto_migrate=False
+    ) as ledger:
+        for scenario in scenarios.values():
+            scenario.session_id = await start_session(emulator, [(scenario.tool, scenario.arguments)])
+        for name, scenario in scenarios.items():
+            [action] = await pending(emulator, scenario.session_id)
+            scenario.call_id = action.call_id
+            report = await ledger.handle(scenario.session_id, action)
+            if name in ("maybe_executed", "verify_hook_failed"):
+                assert not report.submitted, "in doubt: nothing is sent, the call is unknown"
+                continue
+            assert report.submitted, name
+            [scenario.payload] = accepted(emulator, scenario.session_id)
+    # An operator settles the verified call in bulk, as `serve --api` would: its hook is asked
+    # first, and fails.
+    app = create_app(
+        api_settings(
+            ledger_url,
+            emulator.base_url,
+            secret_fields=SECRET_FIELDS,
+            openai_api_key=SecretStr(CANARIES.api_key),
+        ),
+        registry=canaries.registry,
+    )
+    async with serving(app) as client:
+        settled = await client.post(
+            "/api/bulk/resolve",
+            params={"session_id": scenarios["verify_hook_failed"].session_id},
+            json={"kind": "error", "text": "not charged", "reason": "incident 5", "dry_run": False},
+            headers=API_FULL,
+        )
+        assert settled.status_code == 200, settled.text
+        assert settled.json()["counts"] == {"submitted": 1}
+        [scenarios["verify_hook_failed"].payload] = accepted(
+            emulator, scenarios["verify_hook_failed"].session_id
+        )
+    async with ToolLedger(
+        canaries.registry, configured_settings(ledger_url, emulator.base_url), auto_migrate=False
+    ) as ledger:
+        stored = {n: (await ledger.store.for_session(s.session_id))[0] for n, s in scenarios.items()}
+        trails = {n: await ledger.store.events(call.key) for n, call in stored.items()}
+
+    app = create_app(api_settings(ledger_url, secret_fields=SECRET_FIELDS))
+    async with serving(app) as client:
+        listed = await client.get("/api/calls", params={"limit": 500}, headers=API_READ)
+        details = [await client.get(f"/api/calls/{call.key}", headers=API_READ) for call in stored.values()]
+        exports = [
+            await client.get("/api/export", params={"format": fmt}, headers=API_READ)
+            for fmt in ("jsonl", "csv")
+        ]
+    some = stored["value_error"].key
+    commands = [
+        ("calls", "list", "--json", "--limit", "500"),
+        ("calls", "show", str(some), "--json"),
+        ("calls", "export"),
+    ]
+    results = await asyncio.gather(
+        *(asyncio.to_thread(run_cli, *command, database_url=ledger_url, timeout=60) for command in commands)
+    )
+
+    # What the model got: the ToolError's and NotExecuted's own words, the values masked.
+    errors = {name: s.payload.get("error") for name, s in scenarios.items() if s.payload}
+    assert errors["value_error"] == FAILED_MESSAGE
+    assert errors["nested"] == FAILED_MESSAGE
+    assert errors["tool_error"] == f"card {MASK} declined (cvv {MASK}, key {MASK})"
+    assert errors["not_executed"] == f"card {MASK} was refused before anything was sent"
+    assert errors["invalid"] == f"Invalid arguments: card_number: Value error, {MASK} is not a card number"
+    # What the audit trail keeps: the traceback and the reason, the values masked.
+    value_error = stored["value_error"].error_detail or ""
+    assert f"ValueError: declined for {MASK}" in value_error
+    assert f"ConnectionError: provider said no to '{MASK}' and '{MASK}'" in value_error
+    assert stored["maybe_executed"].status is CallStatus.UNKNOWN
+    [doubt] = [e.reason for e in trails["maybe_executed"] if e.to_status == CallStatus.UNKNOWN.value]
+    assert doubt == f"handler raised MaybeExecuted: timed out charging {MASK} with {MASK}"
+    # Its hook is asked when the run is in doubt, and again by the bulk resolution.
+    hook_failures = [e.detail or "" for e in trails["verify_hook_failed"] if e.kind == "verify_failed"]
+    assert len(hook_failures) == 2
+    for detail in hook_failures:
+        assert f"LookupError: the provider has no charge for {MASK}" in detail
+
+    # The searches.
+    assert scan_requests(front, quoted) >= len(scenarios) - 1
+    assert results_sent(front) == len(scenarios) - 1, "every result but the unknown call's"
+    whole_arguments = {
+        s.call_id: json.dumps(s.arguments, sort_keys=True, separators=(",", ":")) for s in scenarios.values()
+    }
+    assert await scan_ledger(ledger_url, quoted, whole_arguments=whole_arguments, whole_results={})
+    for answer in (listed, *details, *exports):
+        assert answer.status_code == 200, answer.text
+        assert hits(answer.text, quoted) == [], answer.request.url
+    assert MASK in listed.text
+    for command, result in zip(commands, results, strict=True):
+        assert result.returncode == 0, (command, result.stderr)
+        assert hits(result.stdout + result.stderr, quoted) == [], command
+    assert hits(logged(caplog), quoted) == []
+
+
 # ------------------------------------------------------- R13: `toolledger serve`
 
 
@@ -530,6 +728,11 @@ SERVE_TOOLS = [
     ("raise_long_tool_error", {}),
     ("return_secrets", {}),
     ("database_error", {}),
+    # The bare values of the call's own secret fields, quoted by the handler (issue 31).
+    ("decline_quoting_values", canaries.quoted_arguments()),
+    ("tool_error_quoting_values", canaries.quoted_arguments()),
+    ("not_executed_quoting_values", canaries.quoted_arguments()),
+    ("nested_quoting_values", canaries.nested_quoted_arguments()),
 ]
 
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from tests.support.paths import ROOT
 from toolledger import verify_alert_signature
@@ -125,3 +128,88 @@ def test_settings__webhook_secret__masked_in_logs_audit_text_and_toolledger_conf
     assert settings.redactor().text(f"signing with {canary} failed") == "signing with [REDACTED] failed"
     [shown] = [o["value"] for o in effective(settings) if o["name"] == "alert_webhook_secret"]
     assert shown == "[REDACTED]"
+
+
+# ------------------------------------------------------------ malformed headers (issue 31)
+
+HUGE_TIMESTAMP = "9" * 400
+"""A ``t=`` of hundreds of digits: int() takes it, and comparing it with a clock's float overflowed."""
+
+_ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
+"""Any characters, lone surrogates included (a header decoded with surrogateescape holds them)."""
+_NUMBERS = st.one_of(
+    st.integers().map(str),
+    st.integers(min_value=10**15).map(str),
+    st.integers(min_value=1, max_value=5000).map(lambda digits: "9" * digits),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["", "+1800000000", " 1800000000", "1_800_000_000", "١٨٠٠٠٠٠٠٠٠", "0x6b49d200", "-0"]),
+)
+_SIGNATURES = st.one_of(
+    _ANY_TEXT,
+    st.text("0123456789abcdef", min_size=64, max_size=64),
+    st.text("0123456789ABCDEF", min_size=64, max_size=64),
+    st.just(sign_alert(BODY, KEY, NOW).split("v1=")[1] + "0"),
+)
+_ENTRIES = st.one_of(
+    st.tuples(st.just("t"), _NUMBERS),
+    st.tuples(st.just("t"), _ANY_TEXT),
+    st.tuples(st.just("v1"), _SIGNATURES),
+    st.tuples(_ANY_TEXT, _ANY_TEXT),
+)
+
+
+@st.composite
+def malformed_headers(draw: st.DrawFn) -> str:
+    """Headers toolledger never sends: huge, negative, fractional or foreign-digit timestamps,
+    signatures of any text, repeated or missing entries, stray separators, any characters."""
+    entries = draw(st.lists(_ENTRIES, max_size=6))
+    separator = draw(st.sampled_from([",", ", ", ",,", ";", " , "]))
+    header = separator.join(f"{name}={value}" for name, value in entries)
+    return draw(st.one_of(st.just(header), _ANY_TEXT, st.just(header + draw(_ANY_TEXT))))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"t={HUGE_TIMESTAMP},v1={'0' * 64}",
+        f"t=-{HUGE_TIMESTAMP},v1={'0' * 64}",
+        f"t={'9' * 5000},v1={'0' * 64}",
+        f"t=1e400,v1={'0' * 64}",
+        f"t={NOW},v1=\udcff{'0' * 63}",
+        f"t={NOW},t={NOW + 1},{sign_alert(BODY, KEY, NOW).split(',')[1]}",
+    ],
+    ids=["huge", "huge-negative", "beyond-int-parsing", "float", "lone-surrogate", "two-timestamps"],
+)
+def test_verify__malformed_header__false_not_an_exception(header: str) -> None:
+    assert verify_alert_signature(BODY, header, KEY, now=NOW) is False
+    assert verify_alert_signature(BODY, header, KEY) is False
+
+
+@given(header=malformed_headers(), body=st.one_of(st.binary(max_size=64), _ANY_TEXT))
+@hypothesis_settings(max_examples=400, deadline=None)
+def test_verify__any_malformed_header_or_body__never_raises(header: str, body: bytes | str) -> None:
+    """Whatever a sender (or anyone on the network) puts in the header, the answer is a bool:
+    never an exception a receiver would drop the connection over."""
+    for now in (NOW, None):
+        assert verify_alert_signature(body, header, KEY, now=now) is False
+
+
+def test_example_receiver__a_timestamp_of_hundreds_of_digits__401_not_a_dropped_connection() -> None:
+    env = {**os.environ, "TOOLLEDGER_ALERT_WEBHOOK_SECRET": KEY, "PYTHONPATH": str(ROOT)}
+    receiver = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "alert_receiver.py"), "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        url = receiver.stdout.readline().split(" at ")[1].strip()
+        headers = {"X-Toolledger-Signature": f"t={HUGE_TIMESTAMP},v1={'0' * 64}"}
+        answer = httpx.post(url, content=BODY, headers=headers, timeout=10)
+    finally:
+        receiver.terminate()
+        _, errors = receiver.communicate(timeout=10)
+    assert answer.status_code == 401
+    assert "Traceback" not in errors

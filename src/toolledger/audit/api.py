@@ -13,6 +13,10 @@ resolution matching more calls than its max_calls) 409, a body over
 redacted). The OpenAPI document declares exactly these (``_openapi``), and a contract test
 holds the app to it.
 
+Every route's JSON body is parsed once, strictly (``strict_json``, through the router's
+route class): bounded in depth before any parser walks it, and refusing a key given twice
+(``{"dry_run": true, "dry_run": false}`` is not a dry run nor a run: it is 400).
+
 ``create_app`` builds the app; ``serve_api`` runs one with uvicorn until told to stop;
 ``api_server_task`` does both, for ``toolledger api`` and for ``toolledger serve --api``.
 """
@@ -23,10 +27,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +43,7 @@ from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
@@ -103,6 +109,11 @@ log = logging.getLogger("toolledger.api")
 
 MAX_BODY_BYTES = 64 * 1024
 """A resolution's text is the largest body: a tool output an operator types or pastes."""
+MAX_BODY_DEPTH = 64
+"""Objects and arrays inside one another in a body, the body's own included: deeper is 400,
+said before anything walks the body (a parser, a validator, a check of repeated keys)."""
+MAX_QUOTED_KEY_CHARS = 60
+"""A repeated key is named in the refusal, cut to this length."""
 MAX_DETAIL_CHARS = 500
 """An error message quotes what was sent; a 10 KB filter is not echoed back whole."""
 MAX_REFERENCE_CHARS = 3 * MAX_FILTER_CHARS + 2
@@ -225,9 +236,11 @@ class ResolveResponse(BaseModel):
 
 
 MAX_BULK_SECONDS = 120
-"""The longest one bulk resolution may take at its rate: a request held open longer is cut by
-proxies and browsers alike (the calls go on being resolved, the summary is lost). Longer runs
-are for the CLI (`toolledger calls resolve --filter`), which has no such limit."""
+"""The longest one bulk resolution may hold its request open: longer is cut by proxies and
+browsers alike (the calls would go on being resolved, the summary lost). Kept by the clock:
+a run whose time is up stops and answers what it did and what it left (``stopped_early``);
+the same request again takes up the rest. The CLI (`toolledger calls resolve --filter`) has
+no such limit."""
 BULK_NO_HOOK_HINT = (
     "verified: this API does not have the application's tools, so its verify hook cannot be asked: "
     "resolve it with `toolledger calls resolve --filter ... --tools`, or through `serve --api`"
@@ -241,8 +254,17 @@ BULK_DESCRIPTION = (
     "name, the reason, and the run's id). A `verified` call's hook is asked first where the API "
     "has the application's tools (`serve --api`); the stand-alone `toolledger api` has none and "
     f"skips those calls (`{bulk.SKIPPED_NO_HOOK}`). A dry run answers what the run would do, and "
-    f"is refused as the run would be. The run must fit in {MAX_BULK_SECONDS} s at its rate "
-    f"(matched / rate), and one selects at most {bulk.MAX_CALLS} calls: for more, use "
+    f"is refused as the run would be. One run selects at most {bulk.MAX_CALLS} calls, and must "
+    f"fit `max_seconds` (at most {MAX_BULK_SECONDS}, the default) at its rate (matched / rate), "
+    "else 400.\n\n"
+    "**The time is kept by the clock.** Resolving a call takes its own time too (a verify hook, "
+    "a submission), so a run may not end when its rate says. No call is started that, taking as "
+    "long as the slowest so far, would end after `max_seconds` (counted from when the request "
+    "arrived); a call under way is always finished. The answer then says `stopped_early: true`, "
+    "with `done` (the calls gone through, each in `calls`) and `left` (the calls not reached: "
+    "untouched, still unknown), and `how_to_continue`: send the same request again, which selects "
+    "only the calls still unknown (those resolved are not, those skipped are again), until "
+    "`stopped_early` is false. Nothing is resolved after the answer. For one long run, use "
     "`toolledger calls resolve --filter`."
 )
 
@@ -256,8 +278,8 @@ class _BulkOptions(BaseModel):
         default=bulk.DEFAULT_RATE,
         gt=0,
         le=bulk.MAX_RATE,
-        description="Calls resolved per second at most. The run must fit "
-        f"{MAX_BULK_SECONDS} s at this rate (matched / rate), else 400.",
+        description="Calls resolved per second at most. The run must fit `max_seconds` at this "
+        "rate (matched / rate), else 400.",
     )
     max_calls: int | None = Field(
         default=None,
@@ -265,6 +287,14 @@ class _BulkOptions(BaseModel):
         le=bulk.MAX_CALLS,
         description="Refuse (409) if more calls match than this: send a dry run's `matched`, so "
         "that calls recorded since the dry run are not resolved unseen.",
+    )
+    max_seconds: float = Field(
+        default=MAX_BULK_SECONDS,
+        gt=0,
+        le=MAX_BULK_SECONDS,
+        description="How long this request may take, in seconds, from its arrival (at most "
+        f"{MAX_BULK_SECONDS}, the default): lower it to fit a proxy's timeout. Kept by the clock: "
+        "the run stops in time and says what it left (`stopped_early`).",
     )
 
 
@@ -303,9 +333,22 @@ class BulkResolveResponse(BaseModel):
     dry_run: bool
     matched: int = Field(description="The unknown calls the filters selected.")
     estimated_seconds: float = Field(description="matched / rate: how long the run takes, at least.")
+    stopped_early: bool = Field(
+        description="true: `max_seconds` ran out before every matched call was reached; `left` "
+        "calls were not touched. Send the same request again to go on (`how_to_continue`). "
+        "Always false for a dry run."
+    )
+    done: int = Field(
+        description="Calls gone through (resolved, settled by a hook, or skipped): each in `calls`."
+    )
+    left: int = Field(description="Matched calls not reached (stopped early): untouched, still unknown.")
+    how_to_continue: str | None = Field(
+        description="When stopped early: what to send to resolve the calls left. Else null."
+    )
+    elapsed_seconds: float = Field(description="How long the run took (not counting the selection).")
     counts: dict[str, int] = Field(description="How many calls came to each action.")
     calls: list[BulkResolveItem] = Field(
-        description="Each call, in the order resolved (newest first, as listed)."
+        description="Each call gone through, in the order resolved (newest first, as listed)."
     )
 
 
@@ -385,12 +428,17 @@ def create_app(
         version=__version__,
         description="List, show and resolve the ledger's tool calls; list and watch sessions. "
         'Send `Authorization: Bearer <token>`. Every error is `{"detail": "..."}`; any request '
-        "the API cannot use is 400.",
+        "the API cannot use is 400. A JSON body is read strictly, on every route that takes one: "
+        f"UTF-8, nested at most {MAX_BODY_DEPTH} levels deep (objects and arrays, the body's own "
+        "included), each key at most once in an object, no NaN or Infinity; else 400, saying "
+        "which (a repeated key is named), before anything else reads the body.",
         lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
+    # Every route added from here on parses its JSON body strictly (``strict_json``).
+    app.router.route_class = _StrictJsonRoute
     if settings.api_docs:
         add_docs_routes(app)
     app.state.tokens = tokens
@@ -433,7 +481,9 @@ Audit = Annotated[AuditService, Depends(_audit)]
 # ------------------------------------------------------------------------------ routes
 
 _MEANINGS = {
-    400: "A filter, reference or body the API cannot use; the detail says which and why.",
+    400: "A filter, reference or body the API cannot use (a body nested more than "
+    f"{MAX_BODY_DEPTH} levels deep, or giving a key twice in one object, included); the detail "
+    "says which and why.",
     401: "No bearer token, or not a configured one.",
     403: "A read-only token where the ledger would change; or, with no token configured, a request "
     "not addressed to this machine's loopback address.",
@@ -759,6 +809,7 @@ async def bulk_resolve(
     request: Request,
 ) -> BulkResolveResponse:
     """Every unknown call ``filters`` select, resolved one by one (BULK_DESCRIPTION)."""
+    stop_at = asyncio.get_running_loop().time() + body.max_seconds
     if filters is None:
         raise QueryError("only calls whose outcome is unknown can be resolved: filter on status unknown")
     if not _narrows(filters):
@@ -775,25 +826,31 @@ async def bulk_resolve(
     resolver = bulk.BulkResolver(_audit(request), rate=body.rate, no_hook_hint=BULK_NO_HOOK_HINT)
     calls = await resolver.matching(filters)
     seconds = len(calls) / body.rate
-    if seconds > MAX_BULK_SECONDS:
+    if seconds > body.max_seconds:
         raise QueryError(
             f"{len(calls)} calls at {body.rate:g} per second take {seconds:.0f} s, more than the "
-            f"{MAX_BULK_SECONDS} s one request may: narrow the filters, raise the rate (at most "
-            f"{bulk.MAX_RATE:g}), or use `toolledger calls resolve --filter`"
+            f"{body.max_seconds:g} s this request may (max_seconds, at most {MAX_BULK_SECONDS}): "
+            f"narrow the filters, raise the rate (at most {bulk.MAX_RATE:g}), or use "
+            "`toolledger calls resolve --filter`"
         )
     if body.max_calls is not None and len(calls) > body.max_calls:
         raise NotResolvableError(
             f"the filters now select {len(calls)} unknown calls, more than max_calls "
             f"({body.max_calls}): look again with a dry run"
         )
-    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run)
+    report = await resolver.resolve_calls(calls, resolution, dry_run=body.dry_run, stop_at=stop_at)
     if not body.dry_run:
         log.info(
-            "bulk resolution %s by %s: %d call(s) by %s: %s",
+            "bulk resolution %s by %s: %d of %d call(s) by %s in %.1f s%s: %s",
             report.run_id,
             resolution.operator,
+            report.done,
             report.matched,
             resolution.kind.value,
+            report.elapsed_seconds,
+            f" (stopped at max_seconds {body.max_seconds:g}: {report.left} left)"
+            if report.stopped_early
+            else "",
             report.counts,
         )
     return BulkResolveResponse.model_validate(
@@ -802,9 +859,25 @@ async def bulk_resolve(
             "dry_run": report.dry_run,
             "matched": report.matched,
             "estimated_seconds": seconds,
+            "stopped_early": report.stopped_early,
+            "done": report.done,
+            "left": report.left,
+            "how_to_continue": _how_to_continue(report, body.max_seconds),
+            "elapsed_seconds": round(report.elapsed_seconds, 3),
             "counts": report.counts,
             "calls": [{"action": i.action, "note": i.note, "call": i.call} for i in report.items],
         }
+    )
+
+
+def _how_to_continue(report: bulk.BulkReport, max_seconds: float) -> str | None:
+    if not report.stopped_early:
+        return None
+    return (
+        f"stopped at max_seconds ({max_seconds:g} s) after {report.done} of {report.matched} calls; "
+        f"the {report.left} left are untouched: send the same request again (it selects only the "
+        "calls still unknown) until stopped_early is false, or resolve them with "
+        "`toolledger calls resolve --filter`"
     )
 
 
@@ -1164,6 +1237,100 @@ class _BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class _StrictJsonRequest(Request):
+    """A request whose JSON body is read as ``strict_json`` says: FastAPI reads every JSON
+    body through ``Request.json``, before any dependency or validation runs."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_strict_json"):
+            self._strict_json = strict_json(await self.body())
+        return self._strict_json
+
+
+class _StrictJsonRoute(APIRoute):
+    """Every route of the app (the router's ``route_class``): its JSON body, if it takes one,
+    is parsed once, strictly (``strict_json``). Not a dependency: FastAPI parses a body before
+    it solves any dependency, so one could neither bound that parse nor see the keys a plain
+    parse keeps the last of."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_StrictJsonRequest(request.scope, request.receive))
+
+        return strict
+
+
+_JSON_SPECIAL = re.compile(r'["\\\[\]{}]')
+"""What decides JSON's nesting: quotes and backslashes (strings), brackets and braces."""
+
+
+def _deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests objects and arrays more than ``limit`` deep: one pass over
+    its quotes, backslashes and brackets, no recursion and no backtracking. On text that is
+    not JSON the count is exact up to where a parser would stop, which is all that matters:
+    it is asked before one runs."""
+    depth = 0
+    in_string = False
+    escaped_at = -1
+    for special in _JSON_SPECIAL.finditer(text):
+        at, char = special.start(), special.group()
+        if at == escaped_at:
+            continue
+        if in_string:
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def strict_json(raw: bytes) -> Any:
+    """A request body as JSON the API can use, or an HTTPException 400 saying why not: UTF-8;
+    at most MAX_BODY_DEPTH objects and arrays deep (checked before parsing); no key given twice
+    in one object (a parser keeps the last, silently: ``"dry_run": true, "dry_run": false``
+    would run for real); no NaN or Infinity; no number too long to read. Text that is not JSON
+    at all raises JSONDecodeError, which FastAPI answers as invalid (400)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPException(400, "the body is not UTF-8 text: send JSON encoded as UTF-8") from None
+    if _deeper_than(text, MAX_BODY_DEPTH):
+        raise HTTPException(
+            400, f"the body is nested more than {MAX_BODY_DEPTH} levels deep (objects and arrays)"
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_each_key_once, parse_constant=_not_json)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # int() refuses more than 4,300 digits
+        raise HTTPException(400, "the body holds a number too long to read") from None
+
+
+def _each_key_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = next(key for index, key in enumerate(keys) if key in keys[:index])
+        quoted = json.dumps(repeated[:MAX_QUOTED_KEY_CHARS], ensure_ascii=True)
+        raise HTTPException(
+            400, f"{quoted} is given twice in one object of the body: give each key once (which was meant?)"
+        )
+    return dict(pairs)
+
+
+def _not_json(constant: str) -> Any:
+    raise HTTPException(400, f"the body holds {constant}, which is not JSON: send a number or null")
 
 
 class _ErrorBoundary:

@@ -12,6 +12,11 @@ three guards:
 - a rate limit (calls per second), so that re-runs or submissions do not stampede the tools'
   downstream systems or the Agents API;
 - ``dry_run``: the calls that would be resolved, and how, with nothing changed.
+
+A run may be given a time to end by (``stop_at``, the HTTP API's cap): no call is started
+that, taking as long as the slowest so far, would end after it; a call under way is always
+finished, never cut in the middle. The report then says it stopped early, and how many calls
+it did not reach (still unknown, untouched): running it again takes them up.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ SETTLED_BY_HOOK = "settled_by_verify_hook"
 SKIPPED_NO_HOOK = "skipped_verify_hook_unavailable"
 SKIPPED_CONTRADICTED = "skipped_hook_says_not_executed"
 SKIPPED_CHANGED = "skipped_no_longer_unknown"
+SKIPPED = frozenset({SKIPPED_NO_HOOK, SKIPPED_CONTRADICTED, SKIPPED_CHANGED})
+"""The actions that leave a call as it was (unknown, or settled by someone else)."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +63,35 @@ class BulkItem:
 
 @dataclass
 class BulkReport:
+    """A run, as far as it went: filled in call by call (``items``), so that whoever stops
+    it (Ctrl-C) can still say what was done."""
+
     run_id: str
     dry_run: bool
     matched: int
     items: list[BulkItem] = field(default_factory=list)
+    stopped_early: bool = False
+    """The run's time ran out (``stop_at``) before every matched call was reached."""
+    elapsed_seconds: float = 0.0
 
     @property
     def counts(self) -> dict[str, int]:
         return dict(Counter(item.action for item in self.items))
+
+    @property
+    def done(self) -> int:
+        """Calls gone through, each with its item (resolved, settled by a hook, or skipped)."""
+        return len(self.items)
+
+    @property
+    def left(self) -> int:
+        """Matched calls the run did not reach: untouched, still unknown unless someone else
+        settled them."""
+        return self.matched - len(self.items)
+
+    @property
+    def skipped(self) -> int:
+        return sum(item.action in SKIPPED for item in self.items)
 
 
 Progress = Callable[[int, int, BulkItem], None]
@@ -84,6 +112,8 @@ class BulkResolver:
         self.service = service
         self.rate = rate
         self.no_hook_hint = no_hook_hint
+        self.report: BulkReport | None = None
+        """The run under way (or the last one), as far as it went."""
 
     async def matching(self, query: CallQuery) -> list[CallRecord]:
         """The unknown calls the filter selects (a status filter may only say unknown)."""
@@ -103,9 +133,10 @@ class BulkResolver:
         *,
         dry_run: bool = False,
         progress: Progress | None = None,
+        stop_at: float | None = None,
     ) -> BulkReport:
         return await self.resolve_calls(
-            await self.matching(query), resolution, dry_run=dry_run, progress=progress
+            await self.matching(query), resolution, dry_run=dry_run, progress=progress, stop_at=stop_at
         )
 
     async def resolve_calls(
@@ -115,21 +146,51 @@ class BulkResolver:
         *,
         dry_run: bool = False,
         progress: Progress | None = None,
+        stop_at: float | None = None,
     ) -> BulkReport:
         """``resolve`` over calls already selected by ``matching`` (whoever first looked at how
-        many there are, and how long they take, need not read them twice)."""
+        many there are, and how long they take, need not read them twice).
+
+        ``stop_at`` (the event loop's clock, ``loop.time()``): start no call that would end
+        after it, were it as slow as the slowest so far; the report then says it stopped
+        early. Cancelled (Ctrl-C), the call under way is finished first; ``self.report`` says
+        how far the run went."""
         report = BulkReport(run_id=uuid.uuid4().hex[:12], dry_run=dry_run, matched=len(calls))
+        self.report = report
         loop = asyncio.get_running_loop()
         started = loop.time()
-        for number, call in enumerate(calls, start=1):
-            if not dry_run:
-                # Paced from the start, not from the last call: a slow call does not slow the rest.
-                await asyncio.sleep(max(0.0, started + (number - 1) / self.rate - loop.time()))
-            item = await self._one(call, resolution, report, number) if not dry_run else self._planned(call)
-            report.items.append(item)
-            if progress is not None:
-                progress(number, len(calls), item)
+        slowest = 0.0
+        try:
+            for number, call in enumerate(calls, start=1):
+                if dry_run:
+                    item = self._planned(call)
+                else:
+                    # Paced from the start, not from the last call: a slow call does not slow the rest.
+                    begin = max(loop.time(), started + (number - 1) / self.rate)
+                    if stop_at is not None and begin + slowest > stop_at:
+                        report.stopped_early = True
+                        break
+                    await asyncio.sleep(begin - loop.time())
+                    began = loop.time()
+                    resolving = asyncio.ensure_future(self._one(call, resolution, report, number))
+                    try:
+                        item = await asyncio.shield(resolving)
+                    except asyncio.CancelledError:
+                        # Ctrl-C: the call under way is resolved whole (never cut between its
+                        # record and its submission) and on the report before the run stops.
+                        self._note(report, number, await resolving, progress)
+                        raise
+                    slowest = max(slowest, loop.time() - began)
+                self._note(report, number, item, progress)
+        finally:
+            report.elapsed_seconds = loop.time() - started
         return report
+
+    @staticmethod
+    def _note(report: BulkReport, number: int, item: BulkItem, progress: Progress | None) -> None:
+        report.items.append(item)
+        if progress is not None:
+            progress(number, report.matched, item)
 
     def _planned(self, call: CallRecord) -> BulkItem:
         view = call_view(call, self.service.redactor)

@@ -968,13 +968,19 @@ def _bulk_resolve(
                 err=True,
             )
 
+    resolvers: list[BulkResolver] = []
+
     async def run() -> BulkReport:
         async with audit_service(settings, registry=registry) as service:
-            return await BulkResolver(service, rate=rate).resolve(
-                query, resolution, dry_run=dry_run, progress=progress
-            )
+            resolvers.append(BulkResolver(service, rate=rate))
+            return await resolvers[0].resolve(query, resolution, dry_run=dry_run, progress=progress)
 
-    report = execute(run())
+    try:
+        report = execute(run())
+    except KeyboardInterrupt:
+        # Ctrl-C: the call under way was finished first (BulkResolver); say how far it went.
+        _say_interrupted(resolvers[0].report if resolvers else None)
+        sys.exit(130)
     if as_json:
         import json
 
@@ -994,6 +1000,23 @@ def _bulk_resolve(
     click.echo(f"{report.matched} unknown call(s) matched; {what}:")
     for action, number in sorted(report.counts.items()):
         click.echo(f"  {action}: {number}")
+
+
+def _say_interrupted(report: BulkReport | None) -> None:
+    """``interrupted: N resolved, M left (bulk RUN_ID)`` on stderr, with what to do next."""
+    if report is None:
+        click.echo("interrupted before any call was resolved: nothing changed", err=True)
+        return
+    if report.dry_run:
+        click.echo("interrupted (dry run: nothing changed)", err=True)
+        return
+    skipped = f"{report.skipped} skipped, " if report.skipped else ""
+    click.echo(
+        f"interrupted: {report.done - report.skipped} resolved, {skipped}{report.left} left "
+        f"(bulk {report.run_id}, named in each resolved call's reason); run the same command "
+        "again to resolve the rest",
+        err=True,
+    )
 
 
 async def _resolve(

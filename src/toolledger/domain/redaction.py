@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -12,6 +14,12 @@ DEFAULT_SECRET_FIELDS = frozenset(
 MASK = "[REDACTED]"
 SHORTEST_LITERAL = 6
 """A configured secret shorter than this is not searched for in text (it would mask words)."""
+SHORTEST_CALL_VALUE = 3
+"""A call's own secret-field value shorter than this is not searched for in its text; one
+shorter than SHORTEST_LITERAL only as a whole word (a cvv's 3 digits, a PIN's 4: not inside
+a longer number or word)."""
+MAX_CALL_VALUES = 256
+"""The values of one call searched for: the first this many secret-field values found."""
 LITERAL_FRAGMENT = 12
 """A configured secret at least twice this long is also masked where only its head or its
 tail is left (a repr cut short in the middle): from this many of its first or last
@@ -56,7 +64,8 @@ def _name_pattern(field: str) -> str:
 
 class Redactor:
     """Masks credentials by shape, the values of secret-named fields quoted in text, and the
-    configured secrets themselves (an API key of no known shape, say)."""
+    configured secrets themselves (an API key of no known shape, say). ``for_call`` gives one
+    that also masks a call's own secret-field values, quoted bare."""
 
     def __init__(
         self, secret_fields: Iterable[str] = DEFAULT_SECRET_FIELDS, secrets: Iterable[str] = ()
@@ -65,6 +74,8 @@ class Redactor:
         self._literals = sorted(
             {s for s in secrets if s and len(s) >= SHORTEST_LITERAL}, key=len, reverse=True
         )
+        self._words: re.Pattern[str] | None = None
+        """Short values masked only as whole words: a call's own (``for_call``)."""
         names = "|".join(_name_pattern(f) for f in sorted(self.secret_fields, key=len, reverse=True))
         self._names = re.compile(names) if names else None
         # password=..., 'password': '...', "api_key": "...", password: ... (in reprs, logs, URLs).
@@ -83,6 +94,8 @@ class Redactor:
     def text(self, text: str) -> str:
         for literal in self._literals:
             text = _without_literal(text, literal)
+        if self._words is not None:
+            text = self._words.sub(MASK, text)
         for pattern in _SECRET_PATTERNS:
             if pattern.groups == 2:
                 text = pattern.sub(lambda m: f"{m.group(1)}{MASK}{m.group(2)}", text)
@@ -107,6 +120,47 @@ class Redactor:
 
     def is_secret(self, name: str) -> bool:
         return self._names is not None and self._names.search(name.lower()) is not None
+
+    def secret_values(self, value: Any) -> list[str]:
+        """The values under secret-named fields of ``value`` (at any depth; every string and
+        number inside an object or array held by one), as text: what a handler given
+        ``value`` knows, and may quote bare in an error (``f"declined for {pin}"``), where no
+        field name or shape tells the secret."""
+        found: dict[str, None] = {}
+        stack: list[tuple[Any, bool]] = [(value, False)]
+        while stack and len(found) < MAX_CALL_VALUES:
+            item, secret = stack.pop()
+            if isinstance(item, Mapping):
+                for key, inner in item.items():
+                    stack.append((inner, secret or (isinstance(key, str) and self.is_secret(key))))
+            elif isinstance(item, list | tuple):
+                stack.extend((inner, secret) for inner in item)
+            elif secret and isinstance(item, str | int | float) and not isinstance(item, bool):
+                text = str(item)
+                if len(text) >= SHORTEST_CALL_VALUE:
+                    found[text] = None
+        return list(found)
+
+    def for_call(self, arguments: Any) -> Redactor:
+        """This redactor, also masking the values of the secret-named fields in a call's
+        ``arguments`` wherever they appear as text (``secret_values``): for what the call's
+        handler and hooks say, stored or sent. Each value is masked as written, and as JSON
+        and a repr spell it; one shorter than SHORTEST_LITERAL only as a whole word."""
+        values = self.secret_values(arguments)
+        if not values:
+            return self
+        forms = {form for value in values for form in _spellings(value) if len(form) >= SHORTEST_CALL_VALUE}
+        call = copy.copy(self)
+        call._literals = sorted(
+            {*self._literals, *(f for f in forms if len(f) >= SHORTEST_LITERAL)}, key=len, reverse=True
+        )
+        short = sorted((f for f in forms if len(f) < SHORTEST_LITERAL), key=len, reverse=True)
+        call._words = (
+            re.compile(rf"(?<![A-Za-z0-9])(?:{'|'.join(map(re.escape, short))})(?![A-Za-z0-9])")
+            if short
+            else self._words
+        )
+        return call
 
 
 def _without_literal(text: str, literal: str) -> str:
@@ -134,6 +188,11 @@ def _without_literal(text: str, literal: str) -> str:
             end = begin
         text = text[:end] + "".join(reversed(parts))
     return text
+
+
+def _spellings(value: str) -> set[str]:
+    """``value`` as text quotes it: as written, inside a JSON string, inside a repr."""
+    return {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1], repr(value)[1:-1]}
 
 
 def _masked_field(match: re.Match[str]) -> str:

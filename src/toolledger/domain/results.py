@@ -58,7 +58,10 @@ class FailureStage(StrEnum):
 
 
 class ToolError(Exception):
-    """Raise it in a handler to tell the model what went wrong: its message is sent as is."""
+    """Raise it in a handler to tell the model what went wrong: its message is sent, redacted
+    (credentials by shape, secret-named fields, and the values of the call's own secret fields
+    wherever they appear: ``ToolError(f"card {card_number} declined")`` reaches the model as
+    ``card [REDACTED] declined``) and capped at ``TOOL_ERROR_MAX_CHARS``."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -157,7 +160,9 @@ def failed(key: CallKey, message: str, stage: FailureStage, detail: str | None =
 
 def tool_error_message(error: ToolError, redactor: Redactor = DEFAULT_REDACTOR) -> str:
     """A ToolError's message for the model: redacted and capped. A subclass that skipped
-    ``ToolError.__init__`` or carries no text gets the fixed message."""
+    ``ToolError.__init__`` or carries no text gets the fixed message. Pass the call's own
+    redactor (``Redactor.for_call`` of its arguments): a message quoting a secret argument's
+    bare value has nothing else to be known by."""
     return _message_for_model(error, FAILED_MESSAGE, redactor)
 
 

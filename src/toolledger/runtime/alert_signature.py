@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 
 SIGNATURE_HEADER = "X-Toolledger-Signature"
@@ -17,6 +18,12 @@ ALERT_ID_HEADER = "X-Toolledger-Alert-Id"
 SIGNATURE_SCHEME = "v1"
 DEFAULT_TOLERANCE_SECONDS = 300.0
 """How far a signature's timestamp may be from the receiver's clock (Stripe's default)."""
+_TIMESTAMP = re.compile(r"[0-9]{1,15}")
+"""Unix seconds as sent: ASCII digits, few enough that any clock can be compared with them
+(``re`` with ``fullmatch``: no sign, space, underscore or other script's digits, which int()
+would take)."""
+_SIGNATURE = re.compile(r"[0-9a-f]{64}")
+"""A hex HMAC-SHA256, as ``sign_alert`` writes it."""
 
 
 def _digest(body: bytes, secret: str | bytes, timestamp: int) -> str:
@@ -40,28 +47,35 @@ def verify_alert_signature(
     """Whether ``header`` (the request's ``X-Toolledger-Signature``) signs ``body`` (the raw
     request body, as received) with ``secret``, at a time within ``tolerance_seconds`` of
     ``now`` (default: this machine's clock). Any ``v1=`` entry may match (several may be
-    sent while a secret is being changed)."""
-    if not header:
+    sent while a secret is being changed).
+
+    Never raises over what a request carries: a header that is not ``t=<digits>`` once and
+    ``v1=<64 lowercase hex digits>`` at least once (a timestamp of hundreds of digits, a
+    sign, a fraction or other digits than 0-9, a repeated ``t``, any character), or a text
+    body that cannot be encoded, is simply not a valid signature: False."""
+    if not isinstance(header, str) or not header:
         return False
     timestamp: int | None = None
-    signatures: list[str] = []
+    signatures: list[bytes] = []
     for item in header.split(","):
         name, _, value = item.strip().partition("=")
         if name == "t":
-            try:
-                timestamp = int(value)
-            except ValueError:
-                return False
-        elif name == SIGNATURE_SCHEME and value:
-            signatures.append(value)
+            if timestamp is not None or not _TIMESTAMP.fullmatch(value):
+                return False  # two timestamps: which one was signed?
+            timestamp = int(value)
+        elif name == SIGNATURE_SCHEME and _SIGNATURE.fullmatch(value):
+            signatures.append(value.encode("ascii"))
     if timestamp is None or not signatures:
         return False
     if abs((time.time() if now is None else now) - timestamp) > tolerance_seconds:
         return False
-    raw = body.encode() if isinstance(body, str) else body
-    expected = _digest(raw, secret, timestamp).encode()
-    # Each entry compared in constant time, and as bytes: a header may hold any characters.
-    matches = [hmac.compare_digest(expected, signature.encode()) for signature in signatures]
+    try:
+        raw = body.encode() if isinstance(body, str) else body
+    except UnicodeEncodeError:  # a lone surrogate: no request carried these bytes
+        return False
+    expected = _digest(raw, secret, timestamp).encode("ascii")
+    # Each entry compared in constant time, and as bytes.
+    matches = [hmac.compare_digest(expected, signature) for signature in signatures]
     return any(matches)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import time
 import traceback
@@ -158,7 +159,10 @@ class HandlerRunner:
             # The traceback (redacted) goes to the audit trail; the log gets one line.
             log.warning("verify hook of %s failed for %s (%s)", tool.name, call.key, type(error).__name__)
             await self.store.flag(
-                call.key, "verify_failed", "verify hook raised", detail=traceback.format_exc()
+                call.key,
+                "verify_failed",
+                "verify hook raised",
+                detail=_call_redactor(self.store, call).text(traceback.format_exc()),
             )
             return Verified(VerifyAnswer.UNKNOWN)
         if verification.kind == VerifyAnswer.NOT_EXECUTED:
@@ -261,7 +265,7 @@ class HandlerRunner:
                 )
             except Exception as error:
                 raised = error
-                ending = _ending(context.key, error, stage, self.store.redactor)
+                ending = _ending(context.key, error, stage, self.store.redactor.for_call(arguments))
             ending = _with_retries(ending, retried)
             _note_outcome(span, ending)
             return _Ran(ending, raised)
@@ -279,7 +283,7 @@ class HandlerRunner:
                 )
             except Exception as error:
                 raised = error
-                ending = _ending(context.key, error, stage, self.store.redactor)
+                ending = _ending(context.key, error, stage, self.store.redactor.for_call(arguments))
             _note_outcome(span, ending)
             return _Ran(ending, raised)
 
@@ -372,10 +376,26 @@ def _ending(
     key: CallKey, error: Exception, stage: _Stage, redactor: Redactor = DEFAULT_REDACTOR
 ) -> Outcome | InDoubt:
     """How a run that raised ends: in doubt if the handler said it cannot tell whether its
-    effect happened, else the failure the model is told."""
+    effect happened, else the failure the model is told. ``redactor``: the call's own
+    (``Redactor.for_call``), so that what the handler quotes of its secret arguments is
+    masked in every text kept or sent: the model's message, the audit reason, the traceback."""
     if isinstance(error, MaybeExecuted):
-        return InDoubt(f"handler raised MaybeExecuted: {_audit_message(error)}", detail=_traceback_of(error))
-    return _failure(key, error, stage, redactor)
+        return InDoubt(
+            redactor.text(f"handler raised MaybeExecuted: {_audit_message(error)}"),
+            detail=redactor.text(_traceback_of(error)),
+        )
+    outcome = _failure(key, error, stage, redactor)
+    return replace(outcome, detail=redactor.text(outcome.detail)) if outcome.detail else outcome
+
+
+def _call_redactor(store: LedgerStore, call: CallRecord) -> Redactor:
+    """The store's redactor, also masking the secret-field values of ``call``'s arguments (as
+    the model sent them, and as an approver amended them)."""
+    given = []
+    for text in (call.arguments, call.approved_arguments):
+        with suppress(ValueError, TypeError, RecursionError):
+            given.append(json.loads(text) if text else None)
+    return store.redactor.for_call(given)
 
 
 def _audit_message(error: MaybeExecuted) -> str:

@@ -650,7 +650,12 @@ async function bulkConfirm() {
     // max_calls: calls recorded since the dry run are not resolved unseen (the API says 409).
     const answer = await postBulk(request, { dry_run: false, max_calls: plan.matched });
     forgetBulkPlan();
-    renderBulkSummary(answer, `Done (bulk ${answer.run_id}): ${answer.matched} call(s) matched.`);
+    // The API keeps its time cap by the clock: a run that ran out of time says what it left.
+    const headline = answer.stopped_early
+      ? `Stopped at the time limit (bulk ${answer.run_id}): ${answer.done} of ${answer.matched} call(s) ` +
+        `gone through, ${answer.left} left untouched. Run the dry run again to resolve the rest.`
+      : `Done (bulk ${answer.run_id}): ${answer.matched} call(s) matched.`;
+    renderBulkSummary(answer, headline);
     await loadCalls({ page: currentPage });
   } catch (error) {
     forgetBulkPlan();
