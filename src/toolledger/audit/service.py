@@ -550,8 +550,8 @@ class AuditService:
             shown = shown[:SHOWN_ARGUMENTS_CHARS] + "... (`toolledger calls show` has them whole)"
         return NotAwaitingApprovalError(
             f"call {call.key}: its arguments differ from those the sha256 given ({given}) names, "
-            f"so they are not those {verb}: nothing was {verb}. Read them again before you decide; "
-            f"they are: {shown}"
+            f"so they are not those {verb}: nothing was {verb}; look again at them before you "
+            f"decide: {shown}"
         )
 
     async def _not_approved(self, key: CallKey, seen: str) -> NotAwaitingApprovalError:
