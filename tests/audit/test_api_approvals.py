@@ -7,7 +7,9 @@ following the session, as `serve` would.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -20,7 +22,7 @@ from tests.support.executor_harness import pending_actions, running_ledger
 from tests.support.polling import eventually
 from toolledger.audit.api import DENIAL_MAX_CHARS, create_app
 from toolledger.domain.keys import CallKey, arguments_fingerprint
-from toolledger.domain.results import DENIED_PREFIX
+from toolledger.domain.results import DENIED_PREFIX, NOT_APPROVED_IN_TIME_MESSAGE
 from toolledger.emulator import EmulatorServer
 from toolledger.runtime.context import ToolContext
 from toolledger.runtime.registry import ToolRegistry
@@ -28,12 +30,13 @@ from toolledger.runtime.service import Service
 from toolledger.settings import Settings
 
 REFUND = {"order_id": "A1", "cents": 90_000}
+SEEN = arguments_fingerprint(REFUND)
 
 
-def payments(runs: list[dict[str, Any]]) -> ToolRegistry:
+def payments(runs: list[dict[str, Any]], approval_timeout: float | None = None) -> ToolRegistry:
     registry = ToolRegistry()
 
-    @registry.tool(approval=True)
+    @registry.tool(approval=True, approval_timeout=approval_timeout)
     async def refund(order_id: str, cents: int, ctx: ToolContext) -> str:
         runs.append({"order_id": order_id, "cents": cents, "key": ctx.idempotency_key})
         return f"refunded {cents}"
@@ -93,6 +96,9 @@ async def test_decisions__refused_without_the_right__with_a_bad_body__or_other_a
             {"reason": "ok", "arguments_sha256": seen.upper()},
             {"reason": "ok", "operator": "mallory"},  # with tokens the token names the operator
             {"reason": "ok", "kind": "rerun"},
+            # Not bound to what anyone saw: an approval names the arguments' sha256.
+            {"reason": "ok"},
+            {"reason": "ok", "arguments": {"order_id": "A1", "cents": 9_000}},
             # Numbers JSON cannot carry: Python's parser takes them, the ledger must not.
             b'{"reason": "ok", "arguments": {"order_id": "A1", "cents": NaN}}',
             b'{"reason": "ok", "arguments": {"order_id": "A1", "cents": 1e999}}',
@@ -106,6 +112,9 @@ async def test_decisions__refused_without_the_right__with_a_bad_body__or_other_a
             )
             assert response.status_code == 400, (body, response.text)
             assert isinstance(response.json()["detail"], str)
+        for body in ({"reason": "ok"}, {"reason": "ok", "arguments": {"order_id": "A1", "cents": 9_000}}):
+            unbound = await client.post(path(key, "approve"), json=body, headers=FULL)
+            assert unbound.json()["detail"] == "arguments_sha256: Field required"
         for body in (
             {"reason": "x" * (DENIAL_MAX_CHARS + 1)},  # the model gets it: a tool error's length
             {"reason": "no", "arguments": {"cents": 1}},  # a denial takes no arguments
@@ -115,14 +124,19 @@ async def test_decisions__refused_without_the_right__with_a_bad_body__or_other_a
             assert response.status_code == 400, (body, response.text)
 
         # A stale page (or a mistaken id): arguments other than those seen are not decided on.
+        # The refusal shows them to be read again, never their fingerprint to be copied back.
         for action in ("approve", "deny"):
             other = await client.post(
                 path(key, action), json={"reason": "ok", "arguments_sha256": "0" * 64}, headers=FULL
             )
             assert other.status_code == 409, action
-            assert f"sha256 {seen}" in other.json()["detail"]
+            assert "its arguments differ" in other.json()["detail"]
+            assert '{"cents": 90000, "order_id": "A1"}' in other.json()["detail"]
+            assert seen not in other.json()["detail"]
             nobody = await client.post(
-                f"/api/calls/tl_00000000deadbeef/{action}", json={"reason": "ok"}, headers=FULL
+                f"/api/calls/tl_00000000deadbeef/{action}",
+                json={"reason": "ok", "arguments_sha256": seen},
+                headers=FULL,
             )
             assert nobody.status_code == 404
             wrong_method = await client.get(path(key, action), headers=READ)
@@ -145,9 +159,11 @@ async def test_decisions__refused_without_the_right__with_a_bad_body__or_other_a
 # ------------------------------------------------------------------------ approving
 
 
-async def test_approve__with_amended_arguments__serve_runs_them_once__the_token_named_on_the_record(
+async def test_approve__an_api_without_the_tools__refuses_amendments__serve_runs_the_approved_call_once(
     database_url: str, emulator: EmulatorServer
 ) -> None:
+    """The stand-alone API has no tools to check amended arguments against: refused (400),
+    nothing stored, the approval not used up. Approved as the model asked, `serve` runs it."""
     runs: list[dict[str, Any]] = []
     registry = payments(runs)
     settings = Settings(
@@ -171,21 +187,42 @@ async def test_approve__with_amended_arguments__serve_runs_them_once__the_token_
             return call if call.get("status") == "awaiting_approval" else None
 
         seen = (await eventually(awaiting, 10.0, "the call awaits approval"))["arguments_sha256"]
-        approved = await client.post(
+        refused = await client.post(
             path(key, "approve"),
             json={"reason": "cap at 90 euros", "arguments_sha256": seen, "arguments": amended},
             headers=FULL,
+        )
+        assert refused.status_code == 400, refused.text
+        assert "this process was not given the tools" in refused.json()["detail"]
+        assert "serve --api" in refused.json()["detail"]
+        masked = await client.post(
+            path(key, "approve"),
+            json={
+                "reason": "r",
+                "arguments_sha256": seen,
+                "arguments": {**amended, "order_id": "[REDACTED]"},
+            },
+            headers=FULL,
+        )
+        assert masked.status_code == 400, masked.text
+        assert "arguments.order_id holds [REDACTED]" in masked.json()["detail"]
+        untouched = await shown(client, key)
+        assert (untouched["call"]["status"], approvals(untouched)) == ("awaiting_approval", [])
+
+        approved = await client.post(
+            path(key, "approve"), json={"reason": "as asked", "arguments_sha256": seen}, headers=FULL
         )
         assert approved.status_code == 200, approved.text
         answer = approved.json()
         assert answer["action"] == "left_for_service"
         assert answer["call"]["status"] == "pending"
         assert answer["call"]["approval_decided_by"] == "alice"
-        assert answer["call"]["arguments"] == REFUND
-        assert answer["call"]["approved_arguments"] == amended
+        assert answer["call"]["approved_arguments"] is None
 
         # Used once: a second approval, or a denial after it, is a conflict.
-        again = await client.post(path(key, "approve"), json={"reason": "twice"}, headers=FULL)
+        again = await client.post(
+            path(key, "approve"), json={"reason": "twice", "arguments_sha256": seen}, headers=FULL
+        )
         assert again.status_code == 409
         assert "only a call awaiting approval can be approved" in again.json()["detail"]
         assert (
@@ -198,19 +235,110 @@ async def test_approve__with_amended_arguments__serve_runs_them_once__the_token_
 
         detail = await eventually(submitted, 10.0, "serve ran the approved call and answered")
 
-    assert runs == [{**amended, "key": key.idempotency_key}]
+    assert runs == [{**REFUND, "key": key.idempotency_key}]
     accepted = [r.payload for r in emulator.control.tool_results(session_id) if r.outcome == "accepted"]
-    assert [payload["output"] for payload in accepted] == ["refunded 9000"]
+    assert [payload["output"] for payload in accepted] == ["refunded 90000"]
     [approval] = approvals(detail)
     assert (approval["actor"], approval["from_status"], approval["to_status"]) == (
         "operator:alice",
         "awaiting_approval",
         "pending",
     )
-    assert approval["reason"] == "approved by alice: cap at 90 euros"
-    assert approval["detail"] == f"amended arguments sha256={arguments_fingerprint(amended)}"
+    assert approval["reason"] == "approved by alice: as asked"
     claims = [e for e in detail["timeline"] if e["from_status"] == "pending" and e["to_status"] == "running"]
     assert [e["actor"] for e in claims] == ["approvals-serve"]
+
+
+async def test_approve__an_api_with_the_tools__checks_amended_arguments_before_storing_them__then_runs_them(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """`serve --api` shares its tools with the API: amended arguments that do not fit the tool
+    (or carry the mask) are 400 with the reason, nothing stored, the approval not used up;
+    fitting ones run at once, and both sets of arguments are kept."""
+    runs: list[dict[str, Any]] = []
+    registry = payments(runs)
+    session_id, [key] = await awaiting_calls(database_url, emulator, registry, REFUND)
+    app = create_app(api_settings(database_url, emulator.base_url), registry=registry)
+    async with serving(app) as client:
+        for amended, problem in (
+            ({"order_id": "A1", "cents": "lots"}, "cents: Input should be a valid integer"),
+            ({"order_id": "A1", "cents": "9000"}, "cents: Input should be a valid integer"),
+            ({"order_id": "A1"}, "cents: Field required"),
+            ({"order_id": "A1", "cents": 9_000, "iban": "DE89"}, "iban: Extra inputs are not permitted"),
+            ({"order_id": {"x": ["[REDACTED]"]}, "cents": 9_000}, "arguments.order_id.x[0] holds [REDACTED]"),
+        ):
+            response = await client.post(
+                path(key, "approve"),
+                json={"reason": "cap", "arguments_sha256": SEEN, "arguments": amended},
+                headers=FULL,
+            )
+            assert response.status_code == 400, (amended, response.text)
+            assert "amended arguments refused" in response.json()["detail"]
+            assert problem in response.json()["detail"], response.text
+        untouched = await shown(client, key)
+        assert (untouched["call"]["status"], untouched["call"]["approved_arguments"]) == (
+            "awaiting_approval",
+            None,
+        )
+        assert approvals(untouched) == []
+
+        amended = {"order_id": "A1", "cents": 9_000}
+        approved = await client.post(
+            path(key, "approve"),
+            json={"reason": "cap at 90 euros", "arguments_sha256": SEEN, "arguments": amended},
+            headers=FULL,
+        )
+        assert approved.status_code == 200, approved.text
+        detail = await shown(client, key)
+
+    assert approved.json()["action"] == "ran"
+    assert (detail["call"]["arguments"], detail["call"]["approved_arguments"]) == (REFUND, amended)
+    assert runs == [{**amended, "key": key.idempotency_key}]
+    [received] = emulator.control.tool_results(session_id)
+    assert received.payload["output"] == "refunded 9000"
+    [approval] = approvals(detail)
+    assert approval["detail"] == f"amended arguments sha256={arguments_fingerprint(amended)}"
+
+
+async def test_approve__after_the_deadline__409_not_approved_in_time__never_runs__serve_answers_it(
+    database_url: str, emulator: EmulatorServer
+) -> None:
+    """The security probe's finding: an approval 0.27 s late was answered 200 "ran" (`serve
+    --api`, which had not yet woken to write the expiry). The deadline is the database
+    clock's, in the approval's own compare-and-set."""
+    runs: list[dict[str, Any]] = []
+    registry = payments(runs, approval_timeout=0.5)
+    session_id, [key] = await awaiting_calls(database_url, emulator, registry, REFUND)
+    app = create_app(api_settings(database_url, emulator.base_url), registry=registry)
+    async with serving(app) as client:
+        deadline = datetime.fromisoformat((await shown(client, key))["call"]["approval_expires_at"])
+        await asyncio.sleep(max((deadline - datetime.now(UTC)).total_seconds(), 0.0) + 0.3)
+        late = await client.post(
+            path(key, "approve"), json={"reason": "sorry, late", "arguments_sha256": SEEN}, headers=FULL
+        )
+        waiting = await shown(client, key)
+
+    assert late.status_code == 409, late.text
+    assert "was not approved in time" in late.json()["detail"]
+    assert (waiting["call"]["status"], approvals(waiting)) == ("awaiting_approval", [])
+    assert runs == []
+
+    settings = Settings(
+        database_url=database_url,
+        openai_base_url=emulator.base_url,
+        worker_id="approvals-serve",
+        reconcile_interval_seconds=300.0,
+        decision_poll_seconds=0.2,
+    )
+    async with Service(registry, settings, auto_migrate=False) as service:
+        await service.watch(session_id)
+
+        async def answered() -> list[Any]:
+            return [r for r in emulator.control.tool_results(session_id) if r.outcome == "accepted"]
+
+        [received] = await eventually(answered, 10.0, "serve answered the call")
+    assert runs == []
+    assert received.payload["error"] == NOT_APPROVED_IN_TIME_MESSAGE
 
 
 async def test_approve__where_the_api_has_the_tools__runs_the_call_there(
@@ -222,7 +350,9 @@ async def test_approve__where_the_api_has_the_tools__runs_the_call_there(
     session_id, [key] = await awaiting_calls(database_url, emulator, registry, REFUND)
     app = create_app(api_settings(database_url, emulator.base_url), registry=registry)
     async with serving(app) as client:
-        response = await client.post(path(key, "approve"), json={"reason": "as asked"}, headers=FULL)
+        response = await client.post(
+            path(key, "approve"), json={"reason": "as asked", "arguments_sha256": SEEN}, headers=FULL
+        )
     assert response.status_code == 200, response.text
     assert response.json()["action"] == "ran"
     assert response.json()["call"]["status"] == "submitted"
@@ -250,7 +380,9 @@ async def test_deny__the_model_gets_the_reason__the_call_never_runs_nor_can_be_a
         assert denied.json()["action"] == "submitted"
         assert denied.json()["call"]["error_stage"] == "approval"
         for action in ("approve", "deny"):
-            after = await client.post(path(key, action), json={"reason": "changed my mind"}, headers=FULL)
+            after = await client.post(
+                path(key, action), json={"reason": "changed my mind", "arguments_sha256": SEEN}, headers=FULL
+            )
             assert after.status_code == 409, action
             assert "is submitted" in after.json()["detail"]
         detail = await shown(client, key)
@@ -284,7 +416,13 @@ async def test_decisions__without_tokens__the_operator_names_themselves(
         denied = await client.post(
             path(denied_key, "deny"), json={"reason": "duplicate", "operator": "carol"}
         )
-        approved = await client.post(path(approved_key, "approve"), json={"reason": "small"})
+        approved = await client.post(
+            path(approved_key, "approve"),
+            json={
+                "reason": "small",
+                "arguments_sha256": arguments_fingerprint({"order_id": "B2", "cents": 100}),
+            },
+        )
         assert (denied.status_code, approved.status_code) == (200, 200), (denied.text, approved.text)
         assert (denied.json()["action"], denied.json()["call"]["status"]) == ("not_sent", "failed")
         assert approved.json()["action"] == "left_for_service"
@@ -302,6 +440,7 @@ async def test_decisions__a_call_that_does_not_await_approval__409(sqlite_url: s
     key = CallKey("sess_unknown", "turn_1", "call_1")
     await add_unknown_call(sqlite_url, key, "charge_card", {"amount": 1})
     async with serving(create_app(api_settings(sqlite_url))) as client:
-        response = await client.post(path(key, action), json={"reason": "ok"}, headers=FULL)
+        body = {"reason": "ok", "arguments_sha256": arguments_fingerprint({"amount": 1})}
+        response = await client.post(path(key, action), json=body, headers=FULL)
     assert response.status_code == 409
     assert "is unknown: only a call awaiting approval" in response.json()["detail"]

@@ -467,7 +467,7 @@ def approvals_api(
         yield ApprovalsApi(url, database_url)
 
 
-async def test_web_view__approves_a_call_with_amended_arguments_and_denies_another(
+async def test_web_view__approves_a_call_shown_in_its_box_and_denies_another(
     approvals_api: ApprovalsApi, emulator_server: EmulatorServer
 ) -> None:
     runs: list[dict[str, Any]] = []
@@ -482,65 +482,89 @@ async def test_web_view__approves_a_call_with_amended_arguments_and_denies_anoth
     )
     # `serve`, following the session: it records both calls awaiting approval, runs what is
     # approved.
-    async with (
-        Service(gated_refunds(runs), settings, auto_migrate=False) as service,
-        browser_page(approvals_api.url) as page,
-    ):
-        await service.watch(session_id)
-        await _use_token(page, ALICE)
-        await page.get_by_test_id("refresh-every").select_option("2")
-        await page.get_by_test_id("filter-status").select_option("awaiting_approval")
-        await page.get_by_test_id("apply").click()
-        rows = await _wait_rows(page, lambda rows: len(rows) == 2)
-        assert {row["id"] for row in rows} == {approved, denied}
-        assert all(row["approval"] == "true" for row in rows), "calls awaiting approval are highlighted"
-        assert "awaiting_approval 2" in await page.get_by_test_id("counts").text_content()
+    async with browser_page(approvals_api.url) as page:
+        async with Service(gated_refunds(runs), settings, auto_migrate=False) as service:
+            await service.watch(session_id)
+            await _use_token(page, ALICE)
+            await page.get_by_test_id("refresh-every").select_option("2")
+            await page.get_by_test_id("filter-status").select_option("awaiting_approval")
+            await page.get_by_test_id("apply").click()
+            rows = await _wait_rows(page, lambda rows: len(rows) == 2)
+            assert {row["id"] for row in rows} == {approved, denied}
+            assert all(row["approval"] == "true" for row in rows), "calls awaiting approval are highlighted"
+            assert "awaiting_approval 2" in await page.get_by_test_id("counts").text_content()
 
-        # The call, its arguments and their fingerprint, its deadline, and the form.
-        await page.locator(f"[data-testid=call-row][data-call-id='{approved}']").click()
-        await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(approved)
-        form = page.get_by_test_id("approval")
-        await form.wait_for(state="visible")
-        assert await page.get_by_test_id("resolve").is_hidden()
-        assert '"cents": 90000' in await page.get_by_test_id("detail-arguments").text_content()
-        sha256 = await page.get_by_test_id("approval-sha256").text_content()
-        assert sha256 == arguments_fingerprint(REFUND_A)
-        assert "not approved in time" in await page.get_by_test_id("approval-deadline").text_content()
-        await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
-        await page.screenshot(path=str(SHOTS / "approval.png"), full_page=True)
+            # The call, its arguments and their fingerprint, its deadline, and the form.
+            await page.locator(f"[data-testid=call-row][data-call-id='{approved}']").click()
+            await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(approved)
+            form = page.get_by_test_id("approval")
+            await form.wait_for(state="visible")
+            assert await page.get_by_test_id("resolve").is_hidden()
+            assert '"cents": 90000' in await page.get_by_test_id("detail-arguments").text_content()
+            # The arguments are in the approval box itself, before its buttons: what is approved
+            # is read where it is approved.
+            in_box = page.get_by_test_id("approval-shown-arguments")
+            assert await in_box.is_visible()
+            assert '"cents": 90000' in await in_box.text_content()
+            assert await page.evaluate(
+                """() => {
+                  const shown = document.getElementById('approval-shown-arguments');
+                  const approve = document.getElementById('approval-approve');
+                  return document.getElementById('approval').contains(shown)
+                    && Boolean(shown.compareDocumentPosition(approve) & Node.DOCUMENT_POSITION_FOLLOWING);
+                }"""
+            )
+            sha256 = await page.get_by_test_id("approval-sha256").text_content()
+            assert sha256 == arguments_fingerprint(REFUND_A)
+            assert "not approved in time" in await page.get_by_test_id("approval-deadline").text_content()
+            await asyncio.to_thread(SHOTS.mkdir, parents=True, exist_ok=True)
+            await page.screenshot(path=str(SHOTS / "approval.png"), full_page=True)
 
-        # Amended arguments are checked before anything is sent.
-        error = page.get_by_test_id("error")
-        await page.get_by_test_id("approval-reason").fill("cap at 90 euros")
-        for typed, problem in (
-            ("[1, 2]", "must be a JSON object"),
-            ("{not json", "are not JSON"),
-            ('{"order_id": "[REDACTED]", "cents": 9000}', "a masked value"),
-        ):
-            await page.get_by_test_id("approval-arguments").fill(typed)
+            # Amended arguments are checked before anything is sent.
+            error = page.get_by_test_id("error")
+            await page.get_by_test_id("approval-reason").fill("cap at 90 euros")
+            for typed, problem in (
+                ("[1, 2]", "must be a JSON object"),
+                ("{not json", "are not JSON"),
+                ('{"order_id": "[REDACTED]", "cents": 9000}', "a masked value"),
+                (
+                    '{"order_id": "A1", "cents": 9000, "note": {"url": "https://u:[REDACTED]@x"}}',
+                    "a masked value",
+                ),
+            ):
+                await page.get_by_test_id("approval-arguments").fill(typed)
+                await page.get_by_test_id("approval-approve").click()
+                await playwright_api.expect(error).to_contain_text(problem)
+                assert "nothing was sent" in (await error.text_content()).lower()
+            assert await page.get_by_test_id("field-status").text_content() == "awaiting_approval"
+
+            # This API (`toolledger api`) has no tools to check amended arguments against: the page
+            # shows the API's refusal, and nothing was decided.
+            await page.get_by_test_id("approval-arguments").fill('{"order_id": "A1", "cents": 9000}')
             await page.get_by_test_id("approval-approve").click()
-            await playwright_api.expect(error).to_contain_text(problem)
-            assert "nothing was sent" in (await error.text_content()).lower()
-        assert await page.get_by_test_id("field-status").text_content() == "awaiting_approval"
+            await playwright_api.expect(error).to_contain_text("this process was not given the tools")
+            assert "serve --api" in await error.text_content()
+            assert await page.get_by_test_id("field-status").text_content() == "awaiting_approval"
 
-        await page.get_by_test_id("approval-arguments").fill('{"order_id": "A1", "cents": 9000}')
-        await page.get_by_test_id("approval-approve").click()
-        result = page.get_by_test_id("approval-result")
-        await playwright_api.expect(result).to_contain_text("Approved: `toolledger serve` runs it now")
-        assert await error.is_hidden()
-        # `serve` runs it within a poll; the page, refreshing, shows it answered.
-        await playwright_api.expect(page.get_by_test_id("field-status")).to_have_text("submitted")
-        assert await form.is_hidden()
-        assert '"cents": 9000' in await page.get_by_test_id("detail-approved-arguments").text_content()
-        assert await page.get_by_test_id("field-approval_decided_by").text_content() == "alice"
-        events = await page.locator("[data-testid=timeline-row]").all_text_contents()
-        assert any("operator:alice" in e and "approved by alice: cap at 90 euros" in e for e in events), (
-            events
-        )
-        assert runs == [{"order_id": "A1", "cents": 9000}]
+            await page.get_by_test_id("approval-arguments").fill("")
+            await page.get_by_test_id("approval-approve").click()
+            result = page.get_by_test_id("approval-result")
+            await playwright_api.expect(result).to_contain_text("Approved: `toolledger serve` runs it now")
+            assert await error.is_hidden()
+            # `serve` runs it within a poll; the page, refreshing, shows it answered.
+            await playwright_api.expect(page.get_by_test_id("field-status")).to_have_text("submitted")
+            assert await form.is_hidden()
+            assert await page.get_by_test_id("field-approval_decided_by").text_content() == "alice"
+            events = await page.locator("[data-testid=timeline-row]").all_text_contents()
+            assert any("operator:alice" in e and "approved by alice: cap at 90 euros" in e for e in events), (
+                events
+            )
+            assert runs == [{"order_id": "A1", "cents": 90_000}]
 
-        # The other call: a page whose fingerprint is not the call's decides nothing (as if
-        # the arguments had changed since it was shown); then denied with a reason.
+        # The other call, `serve` stopped (so the API sends the denial itself: with `serve`
+        # following the session, whichever sends it first, the other is told it raced): a page
+        # whose fingerprint is not the call's decides nothing (as if the arguments had changed
+        # since it was shown); then denied with a reason.
         await page.get_by_test_id("auto-refresh").uncheck()
         await asyncio.sleep(0.5)  # a refresh already under way finishes
         await page.locator(f"[data-testid=call-row][data-call-id='{denied}']").click()
@@ -563,10 +587,10 @@ async def test_web_view__approves_a_call_with_amended_arguments_and_denies_anoth
         assert any("operator:alice" in e and f"denied by alice: {reason}" in e for e in events), events
         await _wait_rows(page, lambda rows: rows == [])  # nothing awaits approval any more
 
-    assert runs == [{"order_id": "A1", "cents": 9000}], "the approved call ran once, the denied one never"
+    assert runs == [{"order_id": "A1", "cents": 90_000}], "the approved call ran once, the denied one never"
     accepted = emulator_server.control.accepted_results(session_id)
     [approved_answer], [denial] = (accepted[(session_id, a.turn_id, a.call_id)] for a in actions)
-    assert approved_answer["output"] == "refunded 9000"
+    assert approved_answer["output"] == "refunded 90000"
     assert (denial["success"], denial["error"]) == (False, DENIED_PREFIX + reason)
 
 

@@ -17,7 +17,7 @@ from tests.runtime.approval_tools import registry
 from tests.support.executor_harness import current_actions, pending_actions, running_ledger
 from tests.support.paths import ROOT
 from toolledger import crashpoints as cp
-from toolledger.domain.keys import CallKey
+from toolledger.domain.keys import CallKey, arguments_fingerprint
 from toolledger.domain.states import CallStatus
 from toolledger.emulator import EmulatorServer
 
@@ -25,6 +25,9 @@ from .test_executor import accepted_payloads
 
 LEASE_SECONDS = 0.5
 TOOLS = "tests.runtime.approval_tools:registry"
+ARGUMENTS = {"amount": 7}
+SEEN = arguments_fingerprint(ARGUMENTS)
+"""The fingerprint the approver saw the arguments by (`calls approve --sha256`)."""
 
 
 def approve(
@@ -43,7 +46,7 @@ def approve(
     if crash_at:
         env["TOOLLEDGER_CRASH_AT"] = crash_at
     command = [sys.executable, "-m", "toolledger", "calls", "approve", str(key), "--tools", TOOLS]
-    command += ["--reason", "checked", "--operator", "ana"]
+    command += ["--sha256", SEEN, "--reason", "checked", "--operator", "ana"]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -52,7 +55,7 @@ def effect_lines(effects: Path) -> list[str]:
 
 
 async def awaiting_call(database_url: str, emulator: EmulatorServer) -> tuple[str, CallKey]:
-    session_id, [action] = await pending_actions(emulator, [("approved_refund", {"amount": 7})])
+    session_id, [action] = await pending_actions(emulator, [("approved_refund", ARGUMENTS)])
     async with running_ledger(registry, database_url, emulator) as ledger:
         report = await ledger.handle(session_id, action)
     assert report.action == "waiting_for_approval"

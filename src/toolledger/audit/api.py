@@ -207,11 +207,18 @@ class _DecisionBody(_OperatorBody):
 
 
 class ApproveRequest(_DecisionBody):
+    arguments_sha256: str = Field(
+        pattern=SHA256_PATTERN,
+        description="Required: the call's `arguments_sha256` as you saw it with its arguments. An "
+        "approval is bound to them: if the call's arguments are other, it is refused (409).",
+    )
     arguments: dict[str, Any] | None = Field(
         default=None,
         description="Amended arguments (a JSON object) the handler receives instead of the model's; "
-        "both are kept. Checked as strictly as the model's (finite numbers, within the size limit). "
-        "Leave it out to run the call as the model asked.",
+        "both are kept. Checked as strictly as the model's (finite numbers, within the size limit), "
+        "without a masked value ([REDACTED]), and against the tool's parameters, which only an API "
+        "given the tools has (`serve --api`): elsewhere, or when they do not fit, 400 and nothing "
+        "is stored. Leave it out to run the call as the model asked.",
     )
 
 
@@ -491,8 +498,9 @@ _MEANINGS = {
     405: "The path ends in /resolve, /approve or /deny, which take POST only.",
     409: "The reference names several calls (give SESSION/TURN/CALL), or the call is not in the "
     "state the action needs (only an unknown outcome can be resolved, only a call awaiting "
-    "approval approved or denied), or its arguments are not the sha256 given, or it changed "
-    "meanwhile; or more calls match a bulk resolution than its max_calls.",
+    "approval approved or denied, and approved only before its deadline: not approved in "
+    "time), or its arguments are not the sha256 given, or it changed meanwhile; or more calls "
+    "match a bulk resolution than its max_calls.",
     413: f"The body is over {MAX_BODY_BYTES // 1024} KiB.",
     503: "The ledger database is unavailable (or its schema is not current): try again.",
 }

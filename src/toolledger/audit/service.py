@@ -7,6 +7,7 @@ name and reason, then submitted like any stored result.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pydantic
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.audit.exports import (
@@ -36,18 +38,28 @@ from toolledger.audit.views import (
     call_view,
     counts_view,
     event_view,
+    masked_json,
     session_view,
 )
 from toolledger.crashpoints import CP_AFTER_APPROVAL, crash_point
-from toolledger.domain.keys import ArgumentsRefused, arguments_fingerprint, arguments_text, parse_arguments
+from toolledger.domain.keys import (
+    ArgumentsRefused,
+    CallKey,
+    arguments_fingerprint,
+    arguments_text,
+    parse_arguments,
+)
 from toolledger.domain.queries import CallQuery, CallReference, QueryError
 from toolledger.domain.records import CallRecord
+from toolledger.domain.redaction import MASK, Redactor
 from toolledger.domain.results import (
     DENIED_PREFIX,
+    NOT_APPROVED_IN_TIME_MESSAGE,
     TOOL_ERROR_MAX_CHARS,
     FailureStage,
     failed,
     succeeded,
+    validation_message,
 )
 from toolledger.domain.states import CallStatus
 from toolledger.domain.submissions import SubmitOutcome
@@ -63,7 +75,7 @@ if TYPE_CHECKING:
     from toolledger.runtime.composition import Runtime
     from toolledger.runtime.decider import Verified
     from toolledger.runtime.executor import Executor, HandleReport
-    from toolledger.runtime.registry import ToolRegistry
+    from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +139,22 @@ class NotAwaitingApprovalError(ToolLedgerError):
     code = "not_awaiting_approval"
 
 
+class NotApprovedInTimeError(NotAwaitingApprovalError):
+    """The call's approval deadline (its tool's ``approval_timeout``) passed before the
+    approval, on the database's clock: it never runs, whether or not `serve` has told the
+    model so yet."""
+
+    code = "not_approved_in_time"
+
+
+APPROVAL_NEEDS_SHA256 = (
+    "an approval names the arguments the person saw: give their sha256 (`toolledger calls show` "
+    "prints it beside them; the HTTP API's arguments_sha256)"
+)
+SHOWN_ARGUMENTS_CHARS = 300
+"""Of a call's arguments, quoted (masked) in a refusal: enough to see they are not those."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """A person's approval or denial of a call awaiting approval."""
@@ -135,9 +163,12 @@ class Decision:
     reason: str
     arguments_sha256: str | None = None
     """The fingerprint of the arguments the person saw (``CallView.arguments_sha256``): the
-    decision is refused if the call's are other. None: whatever the call holds."""
+    decision is refused if the call's are other. Required to approve (``APPROVAL_NEEDS_SHA256``):
+    an approval is bound to what was seen; a denial, which runs nothing, may leave it out."""
     amended_arguments: str | None = None
-    """Approval only: JSON arguments the handler receives instead of the model's."""
+    """Approval only: JSON arguments the handler receives instead of the model's. Refused
+    before anything is stored unless they fit the tool's parameters (which needs the tools in
+    this process) and hold no masked value."""
 
     def __post_init__(self) -> None:
         if not self.operator.strip() or len(self.operator) > MAX_OPERATOR_CHARS:
@@ -438,26 +469,29 @@ class AuditService:
         return ResolveReport(call_view(latest, self.redactor), action)
 
     async def approve(self, reference: str | CallReference, decision: Decision) -> ResolveReport:
-        """Let a call awaiting approval run (with amended arguments, if given), on the record;
-        then run it here when this process has the tools, else ``serve`` runs it."""
+        """Let a call awaiting approval run, on the record: bound to the arguments the person
+        saw (``decision.arguments_sha256``, required), with amended arguments if given (checked
+        before anything is stored: ``_amendment``), and only before its deadline on the
+        database's clock (else ``NotApprovedInTimeError``). Then run it here when this process
+        has the tools, else ``serve`` runs it."""
+        seen = decision.arguments_sha256
+        if seen is None:
+            raise QueryError(APPROVAL_NEEDS_SHA256)
         call = await self._awaiting(reference, decision, "approved")
         amended_text = amended_sha256 = None
         if decision.amended_arguments is not None:
-            try:
-                amended = parse_arguments(decision.amended_arguments, self.settings.max_arguments_bytes)
-            except ArgumentsRefused as error:
-                raise QueryError(f"amended arguments refused: {error}") from None
-            amended_text, amended_sha256 = arguments_text(amended), arguments_fingerprint(amended)
+            amended_text, amended_sha256 = self._amendment(call, decision.amended_arguments)
         store = self.runtime.ledger_store(actor=f"operator:{decision.operator}")
         approved = await store.approve(
             call.key,
+            arguments_sha256=seen,
             decided_by=decision.operator,
             reason=f"approved by {decision.operator}: {decision.reason}",
             amended_arguments=amended_text,
             amended_sha256=amended_sha256,
         )
         if approved is None:
-            raise NotAwaitingApprovalError(f"call {call.key} was decided by someone else first: look again")
+            raise await self._not_approved(call.key, seen)
         crash_point(CP_AFTER_APPROVAL)
         if self.registry is None:
             return ResolveReport(call_view(approved, self.redactor), ResolveAction.LEFT_FOR_SERVICE)
@@ -498,15 +532,76 @@ class AuditService:
     async def _awaiting(self, reference: str | CallReference, decision: Decision, verb: str) -> CallRecord:
         call = await self.find_one(reference)
         if call.status is not CallStatus.AWAITING_APPROVAL:
+            if _expired(call):
+                raise _late(call)
             raise NotAwaitingApprovalError(
                 f"call {call.key} is {call.status.value}: only a call awaiting approval can be {verb}"
             )
         if decision.arguments_sha256 is not None and decision.arguments_sha256 != call.arguments_sha256:
-            raise NotAwaitingApprovalError(
-                f"call {call.key}: its arguments (sha256 {call.arguments_sha256}) are not those "
-                f"{verb} (sha256 {decision.arguments_sha256}): look again"
-            )
+            raise self._other_arguments(call, decision.arguments_sha256, verb)
         return call
+
+    def _other_arguments(self, call: CallRecord, given: str, verb: str) -> NotAwaitingApprovalError:
+        """The sha256 given is not that of the call's arguments. The call's own fingerprint
+        is not quoted (copied back, it would approve what nobody read): its arguments are,
+        masked as every view masks them, for the person to look at again."""
+        shown = json.dumps(masked_json(call.arguments, self.redactor), ensure_ascii=False, sort_keys=True)
+        if len(shown) > SHOWN_ARGUMENTS_CHARS:
+            shown = shown[:SHOWN_ARGUMENTS_CHARS] + "... (`toolledger calls show` has them whole)"
+        return NotAwaitingApprovalError(
+            f"call {call.key}: its arguments differ from those the sha256 given ({given}) names, "
+            f"so they are not those {verb}: nothing was {verb}; look again at them before you "
+            f"decide: {shown}"
+        )
+
+    async def _not_approved(self, key: CallKey, seen: str) -> NotAwaitingApprovalError:
+        """Why the approval's compare-and-set found nothing to approve, read afterwards."""
+        call = await self.find_one(CallReference(key=key))
+        if call.status is CallStatus.AWAITING_APPROVAL:
+            if call.arguments_sha256 != seen:
+                return self._other_arguments(call, seen, "approved")
+            # Still awaiting, its arguments those seen: the deadline had passed, on the
+            # database's clock (`serve` has not answered the model yet).
+            return _late(call)
+        if _expired(call):
+            return _late(call)
+        return NotAwaitingApprovalError(
+            f"call {key} was decided by someone else first (it is {call.status.value}): look again"
+        )
+
+    def _amendment(self, call: CallRecord, text: str) -> tuple[str, str]:
+        """Amended arguments as stored (text, sha256), once they are known to be what the
+        handler can run: strict JSON (as the model's are held to), no value the views masked,
+        and fitting the tool's parameters. Anything else is refused (``QueryError``) before
+        the approval is stored, so it is not used up."""
+        try:
+            amended = parse_arguments(text, self.settings.max_arguments_bytes)
+        except ArgumentsRefused as error:
+            raise QueryError(f"amended arguments refused: {error}") from None
+        masked_at = _mask_in(amended)
+        if masked_at is not None:
+            raise QueryError(
+                f"amended arguments refused: {masked_at} holds {MASK}, a value the views masked, "
+                "not the real one: type the real value, or approve without amending"
+            )
+        tool = self.registry.get(call.tool_name) if self.registry is not None else None
+        if tool is None:
+            where = (
+                "this process was not given the tools"
+                if self.registry is None
+                else f"this process's tools have no {call.tool_name!r}"
+            )
+            raise QueryError(
+                "amended arguments refused: they are checked against the tool's parameters before "
+                f"they are stored, and {where}: approve with --tools (the CLI) or through "
+                "`toolledger serve --api` (the HTTP API and web view), or approve without amending"
+            )
+        problem = _parameters_problem(tool, amended, self.redactor)
+        if problem is not None:
+            raise QueryError(
+                f"amended arguments refused: they do not fit {tool.name}'s parameters: {problem}"
+            )
+        return arguments_text(amended), arguments_fingerprint(amended)
 
     async def prune(self, older_than: timedelta, *, dry_run: bool = False, progress: Any = None) -> int:
         if older_than <= timedelta(0):
@@ -525,6 +620,63 @@ class AuditService:
             self.settings,
             run_handlers=self.registry is not None,
         )
+
+
+def _expired(call: CallRecord) -> bool:
+    """The call was answered "not approved in time" (its deadline passed before anyone decided)."""
+    if call.error_stage != FailureStage.APPROVAL.value or call.result is None:
+        return False
+    try:
+        payload = json.loads(call.result)
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and payload.get("error") == NOT_APPROVED_IN_TIME_MESSAGE
+
+
+def _late(call: CallRecord) -> NotApprovedInTimeError:
+    deadline = call.approval_expires_at
+    when = f" ({deadline.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC)" if deadline is not None else ""
+    return NotApprovedInTimeError(
+        f"call {call.key} was not approved in time: its approval deadline{when} has passed, so it "
+        "will not run; the model is told it was not approved in time"
+    )
+
+
+def _mask_in(value: Any, where: str = "arguments") -> str | None:
+    """Where ``value`` holds the mask the views show for a secret (a key or a text, at any
+    depth, alone or within a longer text: a masked URL keeps its scheme and host), if it does."""
+    if isinstance(value, str):
+        return where if MASK in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{where}.{key}"
+            if MASK in key:
+                return at
+            found = _mask_in(item, at)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _mask_in(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _parameters_problem(tool: RegisteredTool, arguments: dict[str, Any], redactor: Redactor) -> str | None:
+    """What makes ``arguments`` not fit ``tool``'s parameters, or None when they fit. Checked
+    with the tool's own argument model (the one its JSON schema is made from, and that the SDK
+    runs before the handler): strictly, as JSON (no "9000" for an integer), then as the handler
+    will (what it refuses, the model would be told are its own invalid arguments)."""
+    model = getattr(tool.function_tool, "_model", None)
+    if not (isinstance(model, type) and issubclass(model, pydantic.BaseModel)):
+        return "the tool declares no argument model to check them against"
+    try:
+        model.model_validate_json(json.dumps(arguments), strict=True)
+        model.model_validate(arguments)
+    except pydantic.ValidationError as error:
+        return validation_message(error, redactor).removeprefix("Invalid arguments: ")
+    return None
 
 
 def _rerun_action(report: HandleReport, *, ran: ResolveAction = ResolveAction.RERUN) -> ResolveAction:
@@ -566,6 +718,9 @@ __all__ = [
     "CSV_COLUMNS",
     "AmbiguousCallError",
     "AuditService",
+    "Decision",
+    "NotApprovedInTimeError",
+    "NotAwaitingApprovalError",
     "NotResolvableError",
     "Resolution",
     "ResolutionKind",

@@ -16,7 +16,7 @@ import sys
 import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, TypeVar
@@ -39,6 +39,7 @@ from toolledger.domain.queries import (
     DEFAULT_PAGE,
     MAX_PAGE,
     CallQuery,
+    CallReference,
     Cursor,
     QueryError,
     SortKey,
@@ -1051,20 +1052,37 @@ def _decision_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
+EXIT_NOT_APPROVED_IN_TIME = 3
+"""`calls approve` (or `deny`) of a call whose approval deadline has passed: it never runs."""
+
+
+class NotApprovedInTime(click.ClickException):
+    """Refused: the call's approval deadline passed (exit 3, apart from other refusals' 1)."""
+
+    exit_code = EXIT_NOT_APPROVED_IN_TIME
+
+
 @calls.command("approve")
 @_decision_options
 @click.option(
     "--arguments",
     "amended_arguments",
     default=None,
-    help="JSON object: amended arguments the handler receives instead of the model's (both are kept).",
+    help="JSON object: amended arguments the handler receives instead of the model's (both are "
+    "kept). Checked against the tool's parameters first: needs --tools.",
 )
 @click.option(
     "--tools",
     "tools_reference",
     default=None,
     envvar="TOOLLEDGER_TOOLS",
-    help="The application's tools, to run the call here (else `serve` runs it within a second).",
+    help="The application's tools, to run the call here (else `serve` runs it within a second) "
+    "and to check amended arguments.",
+)
+@click.option(
+    "--yes",
+    is_flag=True,
+    help="Do not show the arguments and ask: only with --sha256, the arguments you saw.",
 )
 def approve_call(
     reference: str,
@@ -1077,13 +1095,82 @@ def approve_call(
     log_level: str,
     amended_arguments: str | None,
     tools_reference: str | None,
+    yes: bool,
 ) -> None:
-    """Approve a call awaiting approval: it runs once (here with --tools, else in `serve`)."""
+    """Approve a call awaiting approval: it runs once (here with --tools, else in `serve`).
+
+    The approval is bound to the arguments you saw: give their sha256 (--sha256, as `calls
+    show` prints it beside them), or leave it out on a terminal to be shown them and asked
+    (the fingerprint of what was shown is used). Past the call's deadline it is refused, exit 3.
+    """
+    if arguments_sha256 is None and yes:
+        raise click.UsageError(
+            "--yes approves without showing the arguments: give --sha256 with it (the fingerprint "
+            "`toolledger calls show` prints beside the arguments)"
+        )
+    if arguments_sha256 is None and not _on_terminal():
+        raise click.UsageError(
+            "an approval is bound to the arguments you saw: give --sha256 (from `toolledger calls "
+            "show REFERENCE`), or run it on a terminal to be shown them and asked"
+        )
     decision = _decision(reference, reason, operator, arguments_sha256, amended_arguments)
     registry = load_tools(tools_reference) if tools_reference is not None else None
     settings = settings_from(database_url=database_url, openai_base_url=base_url)
     configure_logging(log_level, settings)
-    _print_report(execute(_decide(settings, "approve", reference, decision, registry)), as_json, "approved")
+    report = execute(_approve(settings, reference, decision, registry, ask=arguments_sha256 is None))
+    _print_report(report, as_json, "approved")
+
+
+def _on_terminal() -> bool:
+    """Someone is there to be shown the arguments and to answer."""
+    return sys.stdin.isatty()
+
+
+async def _approve(
+    settings: Settings, reference: str, decision: Decision, registry: ToolRegistry | None, *, ask: bool
+) -> ResolveReport:
+    """The approval; with ``ask``, first the call's arguments shown (masked, as every view shows
+    them) and a yes asked for, then approved by the fingerprint of what was shown."""
+    from toolledger.audit.service import NotApprovedInTimeError
+    from toolledger.domain.keys import CallKey
+
+    target: str | CallReference = reference
+    async with audit_service(settings, registry=registry) as service:
+        if ask:
+            call = (await service.show(reference)).call
+            if call.needs_approval:
+                _show_for_approval(call, decision.amended_arguments)
+                question = f"approve {call.tool_name} {call.call_id} with these arguments?"
+                if not await asyncio.to_thread(click.confirm, question, default=False, err=True):
+                    raise click.ClickException("not approved: nothing changed")
+            decision = replace(decision, arguments_sha256=call.arguments_sha256)
+            target = CallReference(key=CallKey(call.session_id, call.turn_id, call.call_id))
+        try:
+            return await service.approve(target, decision)
+        except NotApprovedInTimeError as error:
+            raise NotApprovedInTime(str(error)) from None
+
+
+def _show_for_approval(call: CallView, amended: str | None) -> None:
+    """What is approved, on stderr (stdout keeps the report, --json included)."""
+    import json
+
+    deadline = (
+        f"{_precise(call.approval_expires_at)} UTC (then the model is told it was not approved in time)"
+        if call.approval_expires_at
+        else "none: it waits until someone decides"
+    )
+    lines = [
+        f"call {call.session_id}/{call.turn_id}/{call.call_id} ({call.id}) awaits approval: {call.tool_name}",
+        "arguments (secret fields masked):",
+        json.dumps(call.arguments, indent=2, ensure_ascii=False, sort_keys=True),
+        f"arguments sha256: {call.arguments_sha256}",
+        f"deadline: {deadline}",
+    ]
+    if amended is not None:
+        lines += ["amended arguments (what the handler receives instead):", amended]
+    for line in lines:
+        click.echo(_escaped(line), err=True)
 
 
 @calls.command("deny")
@@ -1132,10 +1219,15 @@ def _decision(
 async def _decide(
     settings: Settings, verb: str, reference: str, decision: Decision, registry: ToolRegistry | None
 ) -> ResolveReport:
+    from toolledger.audit.service import NotApprovedInTimeError
+
     async with audit_service(settings, registry=registry) as service:
-        if verb == "approve":
-            return await service.approve(reference, decision)
-        return await service.deny(reference, decision)
+        try:
+            if verb == "approve":
+                return await service.approve(reference, decision)
+            return await service.deny(reference, decision)
+        except NotApprovedInTimeError as error:
+            raise NotApprovedInTime(str(error)) from None
 
 
 def _print_report(report: ResolveReport, as_json: bool, verb: str) -> None:
@@ -1344,11 +1436,14 @@ def _plain(text: str) -> Text:
     as escapes, so a hostile id cannot redraw the terminal."""
     from rich.text import Text
 
-    return Text(
-        "".join(
-            repr(char)[1:-1] if unicodedata.category(char) in ("Cc", "Cf") and char != "\n" else char
-            for char in text
-        )
+    return Text(_escaped(text))
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its control and format characters (but line breaks) shown as escapes."""
+    return "".join(
+        repr(char)[1:-1] if unicodedata.category(char) in ("Cc", "Cf") and char != "\n" else char
+        for char in text
     )
 
 

@@ -44,6 +44,10 @@ class Fencing(StrEnum):
     """Only the holder of the current lease token: a worker that lost its lease is refused."""
     LEASE_LAPSED = "lease_lapsed"
     """Only once the lease ran out, or its owner is provably gone."""
+    APPROVAL_OPEN = "approval_open"
+    """Only while the call's approval is open: before its ``approval_expires_at`` on the
+    database's clock (whoever has or has not yet written the expiry), and for the arguments
+    the person saw (their sha256, given with the approval)."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,12 @@ APPROVE = Transition(
     CallStatus.PENDING,
     _DECISION_COLUMNS | {"approved_arguments", "approved_arguments_sha256"},
     event="approval",
+    fencing=Fencing.APPROVAL_OPEN,
 )
-"""A person approved the call (bound to the fingerprint of the arguments they saw, and
-perhaps with amended arguments): it may now be claimed, once. The claim that runs it moves it
-on, so no second claim can run it on the same approval."""
+"""A person approved the call in time (before its deadline, on the database's clock), bound
+to the fingerprint of the arguments they saw, perhaps with amended arguments: it may now be
+claimed, once. The claim that runs it moves it on, so no second claim can run it on the same
+approval. No claim starts from ``awaiting_approval``: this compare-and-set is the only gate."""
 
 DENY = Transition(
     "deny",

@@ -244,14 +244,19 @@ class LedgerStore:
         self,
         key: CallKey,
         *,
+        arguments_sha256: str,
         decided_by: str,
         reason: str,
         amended_arguments: str | None = None,
         amended_sha256: str | None = None,
     ) -> CallRecord | None:
         """A call awaiting approval may now run (``pending``), with ``amended_arguments`` if
-        given; None when it no longer awaits approval (decided by someone else first)."""
+        given. ``arguments_sha256``: the fingerprint of the arguments the person saw. None
+        when the compare-and-set finds nothing to approve: the call no longer awaits approval
+        (decided by someone else first), its deadline has passed on the database's clock (even
+        if nobody has written the expiry yet), or its arguments are not those."""
         params = {
+            "p_seen_sha256": arguments_sha256,
             "p_decided_by": decided_by,
             "p_approved_arguments": amended_arguments,
             "p_approved_sha256": amended_sha256,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, Update, and_, bindparam, case
+from sqlalchemy import Float, String, Update, and_, bindparam, case, or_
 from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.keys import CallKey
@@ -54,6 +54,14 @@ def key_params(key: CallKey) -> dict[str, str]:
 
 
 LEASE_RAN_OUT = tool_calls.c.lease_expires_at < utc_now()
+
+APPROVAL_OPEN = (
+    # Decided by the database's clock in the same compare-and-set, not by when `serve` wakes
+    # to write the expiry: a late approval finds nothing to approve.
+    or_(tool_calls.c.approval_expires_at.is_(None), tool_calls.c.approval_expires_at > utc_now()),
+    tool_calls.c.arguments_sha256 == bindparam("p_seen_sha256", type_=String),
+)
+"""What ``APPROVE`` requires besides its source state (``Fencing.APPROVAL_OPEN``)."""
 
 _NEW_LEASE: dict[str, Any] = {
     "lease_owner": bindparam("p_owner"),
@@ -130,6 +138,8 @@ def fenced(transition: Transition) -> tuple[ColumnElement[bool], ...]:
         return (tool_calls.c.lease_token == bindparam("p_token"),)
     if transition.fencing is Fencing.NONE:
         return ()
+    if transition.fencing is Fencing.APPROVAL_OPEN:
+        return APPROVAL_OPEN
     # LEASE_LAPSED depends on who is known to be gone: ``LedgerStore.expire_leases`` says it.
     raise ValueError(f"transition {transition.name} is fenced by {transition.fencing}: not a keyed update")
 
@@ -238,6 +248,7 @@ def _check_catalogue() -> None:
 _check_catalogue()
 
 __all__ = [
+    "APPROVAL_OPEN",
     "CONFIRM",
     "HEARTBEAT",
     "KEY_COLUMNS",

@@ -105,7 +105,10 @@ async def _run(job: Job, registry: ToolRegistry) -> dict[str, Any]:
             # Approved as a person would (`toolledger calls approve`), then run as `serve`
             # runs it: the check is about what the tool does once it runs.
             approved = await ledger.store.approve(
-                job.key, decided_by=CHECK_OPERATOR, reason=f"approved by {CHECK_OPERATOR}"
+                job.key,
+                arguments_sha256=waiting.arguments_sha256,
+                decided_by=CHECK_OPERATOR,
+                reason=f"approved by {CHECK_OPERATOR}",
             )
             if approved is not None:
                 await ledger.executor.handle_recorded(approved)

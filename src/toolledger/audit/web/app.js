@@ -375,6 +375,8 @@ function renderApproval(call) {
   const form = $("approval");
   form.hidden = !call.needs_approval;
   form.dataset.sha256 = call.arguments_sha256;
+  // The arguments themselves, in the box, before the buttons: what is approved is read there.
+  $("approval-shown-arguments").textContent = call.needs_approval ? pretty(call.arguments) : "";
   $("approval-sha256").textContent = call.arguments_sha256;
   $("approval-deadline").textContent = call.needs_approval ? deadlineText(call) : "";
 }
@@ -452,10 +454,11 @@ function amendedArguments(text) {
   return { value };
 }
 
+// As the API refuses it: the mask anywhere, a key or a text, alone or within a longer text.
 function holdsMask(value) {
-  if (value === MASK) return true;
+  if (typeof value === "string") return value.includes(MASK);
   if (value === null || typeof value !== "object") return false;
-  return Object.values(value).some(holdsMask);
+  return Object.entries(value).some(([key, item]) => key.includes(MASK) || holdsMask(item));
 }
 
 async function decideOpenCall(verb) {
