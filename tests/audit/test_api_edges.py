@@ -39,7 +39,7 @@ from toolledger.audit.auth import ApiConfigurationError
 from toolledger.audit.service import ResolveAction
 from toolledger.cli import main
 from toolledger.cli.calls import RESOLVE_MESSAGES
-from toolledger.domain.keys import CallKey
+from toolledger.domain.keys import CallKey, arguments_fingerprint
 from toolledger.domain.queries import Cursor
 from toolledger.domain.states import EffectClass
 from toolledger.emulator import EmulatorServer
@@ -562,12 +562,19 @@ async def test_bodies_nested_too_deeply__400_on_every_body_route__never_500(
 
 
 async def test_a_body_at_the_depth_limit__taken(database_url: str) -> None:
+    """Parsed and handed to the route: what it answers is the route's own say (amended
+    arguments need the tools here), not the parser's refusal of the depth."""
     gated, _ = await gated_and_unknown_calls(database_url, "sess_at_limit")
-    body = f'{{"reason": "checked", "arguments": {nested_object(MAX_BODY_DEPTH - 1)}}}'
+    seen = arguments_fingerprint({"order_id": "A1", "cents": 900})
+    body = (
+        f'{{"reason": "checked", "arguments_sha256": "{seen}", '
+        f'"arguments": {nested_object(MAX_BODY_DEPTH - 1)}}}'
+    )
     async with serving(create_app(api_settings(database_url))) as client:
-        approved = await post_raw(client, f"/api/calls/{gated}/approve", body)
-    assert approved.status_code == 200, approved.text
-    assert approved.json()["call"]["status"] == "pending"
+        answered = await post_raw(client, f"/api/calls/{gated}/approve", body)
+    assert answered.status_code == 400, answered.text
+    assert "amended arguments refused" in answered.json()["detail"], answered.text
+    assert "nested" not in answered.text
 
 
 REPEATED_KEYS = {
