@@ -389,7 +389,24 @@ async def test_web_view__deep_links_pages_outcomes_and_sessions(
         "[data-testid=session-row]", "rows => rows.map(r => r.dataset.sessionId)"
     )
     assert set(listed) >= set(ledger.session_ids)
-    await page.locator(f"[data-testid=session-row][data-session-id='{ledger.session_ids[0]}']").click()
+    # A session with calls a person must act on (unknown, awaiting approval) is marked; no other.
+    marks = await page.eval_on_selector_all(
+        "[data-testid=session-row]",
+        """rows => rows.map(r => [
+            r.classList.contains('needs-person'),
+            r.cells[5].textContent,
+        ])""",
+    )
+    waits = re.compile(r"\b(unknown|awaiting_approval) [1-9]")
+    assert all(marked == bool(waits.search(calls)) for marked, calls in marks), marks
+    # The header stays in view on a long page.
+    assert await page.eval_on_selector("header", "h => getComputedStyle(h).position") == "sticky"
+    # The session's id is a link to its calls.
+    link = page.locator(
+        f"[data-testid=session-row][data-session-id='{ledger.session_ids[0]}'] [data-testid=session-link]"
+    )
+    assert await link.get_attribute("href") == "#calls"
+    await link.click()
     await page.get_by_test_id("filter-limit").fill("50")
     await page.get_by_test_id("apply").click()
     await _wait_rows(page, lambda rows: len(rows) == 5)
@@ -583,6 +600,8 @@ async def test_web_view__approves_a_call_shown_in_its_box_and_denies_another(
         await playwright_api.expect(result).to_contain_text("Denied: the model has been told")
         assert await page.get_by_test_id("field-status").text_content() == "submitted"
         assert await page.get_by_test_id("field-error_stage").text_content() == "approval"
+        # It never ran: it waited (for a person), it did not "take" anything.
+        assert (await page.get_by_test_id("field-duration").text_content() or "").startswith("waited ")
         events = await page.locator("[data-testid=timeline-row]").all_text_contents()
         assert any("operator:alice" in e and f"denied by alice: {reason}" in e for e in events), events
         await _wait_rows(page, lambda rows: rows == [])  # nothing awaits approval any more

@@ -148,8 +148,12 @@ function until(value) {
   return seconds <= 0 ? "passed" : `in ${span(seconds)}`;
 }
 
-// How long a call took (to its result), or how long it has been waiting for one.
+// How long a call took (to its result), or how long it has been waiting for one. A call that
+// never ran (denied, or not approved in time) waited: it did not "take" anything.
 function duration(call) {
+  if (call.finished_at && call.error_stage === "approval") {
+    return { text: `waited ${span(between(call.created_at, call.finished_at))}` };
+  }
   if (call.finished_at) return { text: `took ${span(between(call.started_at || call.created_at, call.finished_at))}` };
   if (["awaiting_approval", "pending", "running", "unknown"].includes(call.status)) {
     return { text: `waiting ${span((Date.now() - Date.parse(call.created_at)) / 1000)}`, waiting: true };
@@ -687,20 +691,38 @@ async function loadSessions({ quiet = false } = {}) {
       const row = document.createElement("tr");
       row.dataset.testid = "session-row";
       row.dataset.sessionId = session.session_id;
-      cell(row, session.session_id, "id");
+      // The id is a link to the session's calls (the whole row opens them too).
+      const link = document.createElement("a");
+      link.href = "#calls";
+      link.textContent = session.session_id;
+      link.title = "this session's calls";
+      link.dataset.testid = "session-link";
+      cell(row, "", "id").appendChild(link);
       cell(row, session.watched === null ? "never" : session.watched ? "yes" : "no");
       cell(row, session.status);
       cell(row, leaseOf(session), "id");
       cell(row, ago(session.last_polled_at), "time").title = shortTime(session.last_polled_at);
-      cell(row, Object.entries(session.calls).map(([status, n]) => `${status} ${n}`).join(", "));
+      const calls = cell(row, Object.entries(session.calls).map(([status, n]) => `${status} ${n}`).join(", "));
+      // Calls a person must act on (settle an unknown one, approve or deny one): marked.
+      const waiting = (session.calls.unknown || 0) + (session.calls.awaiting_approval || 0);
+      if (waiting) {
+        row.classList.add("needs-person");
+        const mark = document.createElement("span");
+        mark.className = "needs-person";
+        mark.dataset.testid = "needs-person";
+        mark.textContent = `${waiting} need${waiting === 1 ? "s" : ""} a person: `;
+        calls.prepend(mark);
+      }
       cell(row, session.reason, "reason");
-      row.addEventListener("click", () => {
+      const open = (event) => {
+        event.preventDefault();
         const form = $("filters");
         for (const name of FILTERS) if (!["sort", "limit"].includes(name)) form.elements[name].value = "";
         form.elements.unknown_only.checked = false;
         form.elements.session_id.value = session.session_id;
         location.hash = "calls";
-      });
+      };
+      row.addEventListener("click", open);
       body.appendChild(row);
     }
     $("sessions-empty").hidden = sessions.length > 0;
