@@ -148,9 +148,7 @@ class Service:
         _allow_many_connections()
         executor = self.ledger.executor
         self._sessions = self.ledger.runtime.session_store()
-        self._runner = CallRunner(
-            executor, self.settings.max_concurrent_calls, on_report=self._note_report, on_fatal=self._fail
-        )
+        self._runner = CallRunner(executor, on_report=self._note_report, on_fatal=self._fail)
         self._reconciler = Reconciler(
             executor,
             self.ledger.gateway,
@@ -248,7 +246,7 @@ class Service:
                         log, "shutdown: the alert sender's lease was not given back; it expires on its own"
                     )
             if self._runner is not None:
-                cut_off = await self._runner.drain(grace)
+                cut_off = len(await self._runner.drain(grace))
                 if cut_off:
                     log.warning("shutdown: %d call(s) still running after %.0fs were cut off", cut_off, grace)
             if self._sessions is not None:
