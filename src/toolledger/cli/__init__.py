@@ -605,6 +605,8 @@ def status(as_json: bool, database_url: str | None) -> None:
                 f"replica:    {replica['replica_id']} (pid {replica['pid']} on {replica['hostname']}), "
                 f"{replica['sessions']} session(s), heartbeat {replica['heartbeat_age_seconds']:.1f}s ago"
             )
+            if replica.get("handlers"):
+                click.echo(f"  handlers: {_handler_load_text(replica['handlers'])}")
         if report["database_reachable"] and report["schema_current"] and not report["replicas"]:
             click.echo("replicas:   none alive")
         if "watched_sessions" in report:
@@ -633,6 +635,21 @@ def status(as_json: bool, database_url: str | None) -> None:
 
 
 STATUS_CALLS_SHOWN = 20
+
+
+def _handler_load_text(load: dict[str, int]) -> str:
+    """A replica's handlers as its last heartbeat told them."""
+    parts = [
+        f"{load.get('running', 0)}/{load.get('slots', 0)} slots running",
+        f"threads {load.get('threads_busy', 0)}/{load.get('threads', 0)} busy",
+    ]
+    if load.get("threads_timed_out"):
+        parts.append(f"{load['threads_timed_out']} timed out and still running (each holds its thread)")
+    if load.get("waiting_for_thread"):
+        parts.append(f"{load['waiting_for_thread']} call(s) waiting for a thread")
+    if load.get("waiting_for_slot"):
+        parts.append(f"{load['waiting_for_slot']} call(s) waiting for a slot")
+    return ", ".join(parts)
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
@@ -676,6 +693,8 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "sessions": owners.get(r.replica_id, 0),
                 # The heartbeat is stamped by another clock: never report it from the future.
                 "heartbeat_age_seconds": max(0.0, (now - r.heartbeat_at).total_seconds()),
+                # Slots and threads as of that heartbeat; None from a replica that did not say.
+                "handlers": dict(r.handler_load) if r.handler_load is not None else None,
             }
             for r in await sessions_store.live_replicas()
         ]

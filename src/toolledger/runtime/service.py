@@ -42,6 +42,7 @@ from toolledger.runtime.alert_sender import WEBHOOK, AlertSender, alert_sender_f
 from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
+from toolledger.runtime.handler_runner import HandlerLoad
 from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
@@ -73,8 +74,11 @@ class ServiceStatus:
     replica_id: str
     followed_sessions: int
     running_calls: int
+    """Calls being handled now: recorded and claimed, their handlers running or waiting."""
     started: bool
     stopping: bool
+    handlers: HandlerLoad | None = None
+    """Its handlers' slots and threads: taken, timed out and still running, waited for."""
 
 
 class Service:
@@ -185,10 +189,11 @@ class Service:
             self._loops.append(asyncio.create_task(self._alerts.run(), name="alert webhook"))
         self._started = True
         log.info(
-            "replica %s serving: %d session(s), up to %d concurrent calls",
+            "replica %s serving: %d session(s), up to %d concurrent calls, %d handler threads",
             self.replica_id,
             len(self._followers),
             self.settings.max_concurrent_calls,
+            self.settings.handler_threads,
         )
         return self
 
@@ -302,7 +307,14 @@ class Service:
             running_calls=self._runner.inflight if self._runner else 0,
             started=self._started,
             stopping=self._stopping,
+            handlers=self._handler_load(),
         )
+
+    def _handler_load(self) -> HandlerLoad | None:
+        try:
+            return self.ledger.executor.handlers.load()
+        except RuntimeError:  # not started
+            return None
 
     @property
     def sessions(self) -> SessionStore:
@@ -354,8 +366,13 @@ class Service:
     async def _balance(self) -> None:
         """Renew what we own, then take or give back sessions to hold a fair share."""
         sessions, lease = self.sessions, self.settings.session_lease_seconds
+        load = self._handler_load()
         await sessions.heartbeat_replica(
-            self.replica_id, hostname=socket.gethostname(), pid=os.getpid(), lease_seconds=lease
+            self.replica_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            lease_seconds=lease,
+            handler_load=None if load is None else load.as_dict(),
         )
         renewed = await sessions.renew(self.replica_id, self._leases, lease)
         self._last_renewal = time.monotonic()
