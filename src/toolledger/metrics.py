@@ -7,10 +7,12 @@ toolledger itself, so importing it can never create a cycle.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -51,6 +53,83 @@ ALERT_POSTS = Counter(
     "again until it is delivered.",
     ["outcome"],
 )
+
+HANDLER_THREAD_WAIT = Histogram(
+    "toolledger_handler_thread_wait_seconds",
+    "Time a sync handler's run waited for a thread of its own (TOOLLEDGER_HANDLER_THREADS, or its "
+    "tool's threads=) before it started; its timeout counts from the start.",
+    buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800),
+)
+HANDLER_SLOT_WAITS = Gauge(
+    "toolledger_calls_waiting_for_handler_slot",
+    "Calls recorded and claimed (their leases renewed) that wait for a handler slot "
+    "(TOOLLEDGER_MAX_CONCURRENT_CALLS) before their handler starts.",
+)
+
+
+@dataclass(frozen=True)
+class HandlerThreadsSnapshot:
+    """How a pool of handler threads stands."""
+
+    size: int
+    busy: int
+    """Slots taken: threads running a handler (timed-out ones included)."""
+    timed_out: int
+    """Threads whose run was given up (it timed out, or was cut off) and that still run: each
+    keeps its slot until its handler returns."""
+    waiting: int
+    """Runs waiting for a thread."""
+
+
+class _ThreadPool(Protocol):
+    def snapshot(self) -> HandlerThreadsSnapshot: ...
+
+
+class HandlerThreadsCollector(Collector):
+    """Gauges of this process's handler threads, summed over its pools (read at scrape time)."""
+
+    def __init__(self) -> None:
+        self._pools: weakref.WeakSet[_ThreadPool] = weakref.WeakSet()
+
+    def track(self, pool: _ThreadPool) -> None:
+        self._pools.add(pool)
+
+    def snapshot(self) -> HandlerThreadsSnapshot:
+        snapshots = [pool.snapshot() for pool in list(self._pools)]
+        return HandlerThreadsSnapshot(
+            size=sum(s.size for s in snapshots),
+            busy=sum(s.busy for s in snapshots),
+            timed_out=sum(s.timed_out for s in snapshots),
+            waiting=sum(s.waiting for s in snapshots),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.snapshot()
+        yield GaugeMetricFamily(
+            "toolledger_handler_threads",
+            "Threads this process may run sync handlers in at once (TOOLLEDGER_HANDLER_THREADS).",
+            now.size,
+        )
+        yield GaugeMetricFamily(
+            "toolledger_handler_threads_busy",
+            "Handler threads taken now, timed-out ones still running included.",
+            now.busy,
+        )
+        yield GaugeMetricFamily(
+            "toolledger_handler_threads_timed_out",
+            "Handler threads whose run timed out (or was cut off at shutdown) and that still run, "
+            "each holding its slot until the handler returns.",
+            now.timed_out,
+        )
+        yield GaugeMetricFamily(
+            "toolledger_calls_waiting_for_handler_thread",
+            "Sync handlers' runs waiting for a handler thread.",
+            now.waiting,
+        )
+
+
+HANDLER_THREADS = HandlerThreadsCollector()
+REGISTRY.register(HANDLER_THREADS)
 
 MAX_TOOL_LABELS = 100
 """Tool names come from the model too (an unknown tool is recorded under the name it used):
@@ -124,10 +203,15 @@ def _capped_tools(calls: Mapping[tuple[str, str], int]) -> dict[tuple[str, str],
 __all__ = [
     "ALERT_POSTS",
     "HANDLER_DURATION",
+    "HANDLER_SLOT_WAITS",
+    "HANDLER_THREADS",
+    "HANDLER_THREAD_WAIT",
     "RETRIES",
     "SUBMISSIONS",
     "SUBMISSION_BATCH_SIZE",
     "SUBMISSION_DURATION",
+    "HandlerThreadsCollector",
+    "HandlerThreadsSnapshot",
     "LedgerCollector",
     "LedgerSnapshot",
 ]

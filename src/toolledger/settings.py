@@ -99,7 +99,19 @@ class Settings(BaseSettings):
         "request per result, as the SDK's own runner does.",
     )
     max_concurrent_calls: int = Field(
-        default=64, ge=1, description="Handlers one `serve` process runs at once (over all sessions)."
+        default=64,
+        ge=1,
+        description="Handlers one process runs at once (over all sessions). A call past it is "
+        "recorded and claimed all the same, its lease renewed, and its handler starts once a "
+        "slot is free.",
+    )
+    handler_threads: int = Field(
+        default=32,
+        ge=1,
+        description="Sync handlers one process runs at once, each in a thread of its own (apart "
+        "from the threads asyncio and the openai SDK use); a tool may declare fewer "
+        "(`threads=`). A handler that timed out keeps its thread until it returns. Keep it "
+        "under TOOLLEDGER_MAX_CONCURRENT_CALLS, so that hung sync handlers leave async ones room.",
     )
     session_lease_seconds: float = Field(
         default=30.0,

@@ -193,9 +193,11 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
                     undeclared += [
                         (method, path, code) for code in ("400", "401", "403", "503") if code not in declared
                     ]
-                    for code in declared - {"200"}:
+                    for code in declared - {"200", "202"}:
                         body = operation["responses"][code]["content"]["application/json"]["schema"]
                         assert body == {"$ref": "#/components/schemas/ErrorDetail"}, (method, path, code)
+                    # 202: an accepted re-run, answered before its handler runs; nothing else.
+                    assert ("202" in declared) is (path == "/api/calls/{ref}/resolve"), (method, path)
                     if method == "post" and path != "/api/sessions/{session_id}/watch":
                         assert "413" in declared, (method, path)
         assert undeclared == []
@@ -207,7 +209,12 @@ async def test_document__declares_what_the_api_answers(sqlite_url: str) -> None:
         tool = next(p for p in calls if p["name"] == "tool")["schema"]
         assert (tool["type"], "anyOf" in tool) == ("array", False)
         assert "405" in document["paths"]["/api/calls/{ref}"]["get"]["responses"]
-        body = document["paths"]["/api/calls/{ref}/resolve"]["post"]["requestBody"]["content"]
+        resolve = document["paths"]["/api/calls/{ref}/resolve"]["post"]
+        for code in ("200", "202"):  # settled and submitted; or a re-run, accepted
+            schema = resolve["responses"][code]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ResolveResponse"}, code
+        assert "GET /api/calls/{ref}" in resolve["description"]
+        body = resolve["requestBody"]["content"]
         variants = body["application/json"]["schema"]["oneOf"]
         for variant in variants:
             reason = document["components"]["schemas"][variant["$ref"].rsplit("/", 1)[1]]["properties"][

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -14,6 +17,7 @@ from typing import TypeVar
 from tests.support.polling import eventually
 from tests.support.serve_process import TOOLS, ServeProcess, run_cli
 from tests.support.workload import read_effects, start_sessions, wait_until_idle
+from toolledger.cli import supervisor
 from toolledger.domain.records import ReplicaRecord
 from toolledger.emulator import EmulatorServer
 from toolledger.store.engine import create_engine
@@ -124,3 +128,34 @@ def test_serve_processes__on_sqlite_more_than_one_is_refused_in_one_line(sqlite_
     assert result.returncode == 2, result.stderr
     assert "--processes above 1 needs PostgreSQL" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_supervisor__a_child_that_ignores_sigterm__is_killed_once_its_grace_is_over() -> None:
+    """A stop always ends: a serve process still running past its grace period (and the
+    margin) is killed, and its calls are taken over as after a crash."""
+    child = subprocess.Popen(  # what a serve stuck at exit would look like to the supervisor
+        [sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"ignoring SIGTERM\n"
+        child.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        codes = supervisor._wait_all([supervisor._Child(0, [], child)], within=1.0)
+        took = time.monotonic() - started
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert codes == [-signal.SIGKILL]
+    assert took < 10.0
+
+
+IGNORES_SIGTERM = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ignoring SIGTERM', flush=True)\n"
+    "time.sleep(60)\n"
+)

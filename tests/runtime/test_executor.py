@@ -162,7 +162,7 @@ async def test_call_runner__a_submitted_call_listed_by_an_event__is_not_sent_aga
     registry, runs = mail_registry()
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
     async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=0) as ledger:
-        runner = CallRunner(ledger.executor, limit=4)
+        runner = CallRunner(ledger.executor)
         first = await runner.run(session_id, action)
         dispatched = runner.dispatch(session_id, action, listing_may_be_stale=True)  # as serve's events do
         assert dispatched is not None
@@ -198,7 +198,7 @@ async def test_call_runner__a_call_it_saw_accepted_is_not_looked_up_within_the_w
     registry, runs = mail_registry()
     session_id, [action] = await pending_actions(emulator, [("send_mail", {"to": "a@example.com"})])
     async with running_ledger(registry, sqlite_url, emulator, resubmit_after_seconds=window) as ledger:
-        runner = CallRunner(ledger.executor, limit=4)
+        runner = CallRunner(ledger.executor)
         first = await runner.run(session_id, action)
         statements: list[str] = []
         event.listen(ledger.engine.sync_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))

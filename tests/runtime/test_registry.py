@@ -470,6 +470,8 @@ def test_tool_options__each_effect_class_and_policy__are_stored() -> None:
         pytest.param({"timeout": -1.5}, "timeout must be positive", id="negative-timeout"),
         pytest.param({"unknown_deadline": -1}, "unknown_deadline must be >= 0", id="negative-deadline"),
         pytest.param({"max_attempts": 0}, "max_attempts must be >= 1", id="zero-max-attempts"),
+        pytest.param({"threads": 0}, "threads must be a whole number >= 1", id="zero-threads"),
+        pytest.param({"threads": True}, "threads must be a whole number >= 1", id="boolean-threads"),
         pytest.param(
             {"effect": "unregistered"},
             r"unknown effect class 'unregistered' \(one of at_most_once, idempotent, read_only, "
@@ -492,6 +494,26 @@ def test_tool_options__invalid__are_refused_with_a_message_naming_the_tool(
         registry.add(function_tool(charge), **options)
     assert len(registry) == 0
     assert registry.definitions() == []
+
+
+def test_tool_options__threads__cap_a_sync_tool_and_are_refused_for_an_async_one() -> None:
+    registry = ToolRegistry()
+
+    @registry.tool(threads=2)
+    def lookup(order_id: str) -> str:
+        return order_id
+
+    tool = registry.get("lookup")
+    assert tool is not None
+    assert tool.threads == 2
+    assert registry.get("lookup") is not None
+
+    async def notify(message: str) -> str:
+        return message
+
+    with pytest.raises(RegistryError, match=r"^tool 'notify': threads= is for sync handlers"):
+        registry.tool(threads=2)(notify)
+    assert registry.get("notify") is None
 
 
 # --- definitions() and tool_search ----------------------------------------------------------------

@@ -446,7 +446,8 @@ async def test_service__a_slow_tool__its_sessions_ready_results_do_not_hold_ever
     # Two handler slots. Session A: one slow call and two quick ones; the quick ones' results
     # wait a moment (SIBLING_WAIT_SECONDS) to go in one request with the slow one's, then go
     # without it. Were they to wait for it, they would hold both slots until it finished, and
-    # B's call could not run.
+    # B's call could not run. (A slot is held while a handler runs, not while its result waits
+    # to be sent: B may even be answered first.)
     slow = Script.of_calls(
         [
             ("notify", {"message": "slow", "pause_ms": 8000}),
@@ -467,10 +468,13 @@ async def test_service__a_slow_tool__its_sessions_ready_results_do_not_hold_ever
         await watch_all(service, [session_b])
         await wait_until_idle(emulator, [session_b], within=6.0)
 
-        calls = await ledger_calls(database_url, [session_a])
-        by_message = {json.loads(c.arguments)["message"]: c.status for c in calls.values()}
-        assert by_message["slow"] is CallStatus.RUNNING, "B was answered before A's slow call ended"
-        assert by_message["a1"] is by_message["a2"] is CallStatus.SUBMITTED
+        async def quick_ones_sent() -> dict[str, CallStatus] | None:
+            calls = await ledger_calls(database_url, [session_a])
+            by_message = {json.loads(c.arguments)["message"]: c.status for c in calls.values()}
+            return by_message if by_message["a1"] is by_message["a2"] is CallStatus.SUBMITTED else None
+
+        by_message = await eventually(quick_ones_sent, within=4.0, what="A's quick results sent")
+        assert by_message["slow"] is CallStatus.RUNNING, "B and A's quick ones before A's slow one"
         await wait_until_idle(emulator, [session_a], within=20.0)
 
 

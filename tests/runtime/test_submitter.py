@@ -208,9 +208,9 @@ async def test_stored_results_resent_through_the_call_runner__take_no_handler_sl
 
     session_id, actions = await pending_actions(emulator, [("noop", {"n": n}) for n in range(CALLS)])
     busy_id, [busy] = await pending_actions(emulator, [("wait", {"n": 0})])
-    async with running_ledger(slow, sqlite_url, emulator) as ledger:
+    async with running_ledger(slow, sqlite_url, emulator, max_concurrent_calls=1) as ledger:
         calls = await stored_results(ledger, session_id, actions)
-        runner = CallRunner(ledger.executor, limit=1)
+        runner = CallRunner(ledger.executor)
         holding = runner.dispatch(busy_id, busy)
         await eventually(lambda: runner.is_running(CallKey(busy_id, busy.turn_id, busy.call_id)))
         reports = await asyncio.wait_for(

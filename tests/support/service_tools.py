@@ -125,3 +125,33 @@ def hold_funds(cents: int, ctx: ToolContext) -> str:
     _effect("hold_funds", ctx)
     crash_point(CP_INSIDE_HANDLER)
     return f"held {cents}"
+
+
+def _hang_until(until_file: str) -> None:
+    """Block until the test creates ``until_file``: a handler stuck on something outside it (a
+    socket read with no timeout, a lock), as long as the test wants."""
+    while not os.path.exists(until_file):
+        time.sleep(0.02)
+
+
+@registry.tool(name="hang")
+def hang(until_file: str, ctx: ToolContext) -> str:
+    """A sync handler that hangs until released: at most once."""
+    _effect("hang", ctx)
+    _hang_until(until_file)
+    return "released"
+
+
+@registry.tool(name="hang_again", effect="idempotent")
+def hang_again(until_file: str, ctx: ToolContext) -> str:
+    """A sync handler that hangs until released: idempotent, so run again after a crash."""
+    _effect("hang_again", ctx)
+    _hang_until(until_file)
+    return "released again"
+
+
+@registry.tool(name="tick", effect="read_only")
+def tick(n: int, ctx: ToolContext) -> str:
+    """A quick sync handler."""
+    _effect("tick", ctx)
+    return f"tick {n}"

@@ -236,10 +236,21 @@ class ResolveResponse(BaseModel):
     action: ResolveAction = Field(
         description="submitted; abandoned (the session no longer awaits it); submit_failed (left for "
         "the reconciler); not_sent (no Agents API configured here: `serve` submits it); rerun (ran "
-        "again here and submitted); ran (approved, run here and submitted); left_for_service "
+        "again here and submitted); rerunning (re-opened, and being run again here in the "
+        "background: follow the call); ran (approved, run here and submitted); left_for_service "
         "(re-opened or approved: `serve` runs it, or another worker took it first)."
     )
     call: CallView
+
+
+RERUN_ACCEPTED = (
+    "A re-run (`kind` rerun) is answered at once, before any handler runs: the call is re-opened "
+    "(`pending`) and run again here in the background (`rerunning`; this API has the tools: "
+    "`serve --api`), or by `serve` (`left_for_service`). A handler may run for minutes: follow "
+    "the call with `GET /api/calls/{ref}` (pending, running, succeeded or failed, then "
+    "`submitted`; or `abandoned` if the session no longer awaits it, `unknown` again if the run "
+    "was cut off); its timeline says what happened."
+)
 
 
 MAX_BULK_SECONDS = 120
@@ -399,6 +410,11 @@ class ApiState:
         return self.runtime.redactor
 
     async def aclose(self) -> None:
+        # Operators' re-runs still going get the shutdown grace, as `serve`'s calls do; the
+        # rest are cut off (unknown again once their leases run out).
+        cut = await self.service.stop_reruns(self.runtime.settings.shutdown_grace_seconds)
+        for key in cut:
+            log.warning("shutdown: the operator's re-run of call %s was cut off", key)
         if self.owns_runtime:
             await self.runtime.aclose()
 
@@ -592,7 +608,16 @@ def _add_routes(app: FastAPI) -> None:
             (404, 413),
         ),
     ]
-    described = {"/api/bulk/resolve": BULK_DESCRIPTION}
+    described = {"/api/bulk/resolve": BULK_DESCRIPTION, "/api/calls/{ref:path}/resolve": RERUN_ACCEPTED}
+    accepted: dict[str, dict[int | str, dict[str, Any]]] = {
+        "/api/calls/{ref:path}/resolve": {
+            202: {
+                "model": ResolveResponse,
+                "description": "A re-run, accepted: the call is re-opened and runs in the background "
+                "(`rerunning`) or in `serve` (`left_for_service`); follow it with GET /api/calls/{ref}.",
+            }
+        }
+    }
     for method, path, endpoint, model, summary, errors in data:
         app.add_api_route(
             path,
@@ -601,7 +626,7 @@ def _add_routes(app: FastAPI) -> None:
             response_model=model,
             summary=summary,
             description=described.get(path),
-            responses=_errors(*sorted({*_EVERY_API_ROUTE, *errors})),
+            responses={**accepted.get(path, {}), **_errors(*sorted({*_EVERY_API_ROUTE, *errors}))},
             dependencies=[Depends(_each_given_once)],
         )
     app.add_api_route(
@@ -783,15 +808,20 @@ def _operator(principal: Principal, body: _OperatorBody) -> str:
 
 async def resolve_call(
     ref: _Reference, body: Annotated[ResolveRequest, Body()], principal: Writer, audit: Audit
-) -> ResolveResponse:
+) -> ResolveResponse | JSONResponse:
+    """An output or an error is settled and submitted before the answer (200); a re-run is
+    answered at once, 202 (RERUN_ACCEPTED)."""
     resolution = Resolution(
         kind=ResolutionKind(body.kind),
         operator=_operator(principal, body),
         reason=body.reason,
         text=None if isinstance(body, RerunResolution) else body.text,
     )
-    report = await audit.resolve(ref, resolution)
-    return ResolveResponse.model_validate({"action": report.action, "call": report.call})
+    report = await audit.resolve(ref, resolution, wait=False)
+    answer = ResolveResponse.model_validate({"action": report.action, "call": report.call})
+    if resolution.kind is ResolutionKind.RERUN:
+        return JSONResponse(answer.model_dump(mode="json"), status_code=202)
+    return answer
 
 
 async def approve_call(

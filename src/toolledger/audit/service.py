@@ -7,6 +7,7 @@ name and reason, then submitted like any stored result.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -190,6 +191,8 @@ class ResolveAction(StrEnum):
     """No Agents API is configured here: ``serve`` sends it."""
     RERUN = "rerun"
     """Run again here, and its result sent."""
+    RERUNNING = "rerunning"
+    """Re-opened, and being run again here in the background: follow the call to its end."""
     LEFT_FOR_SERVICE = "left_for_service"
     """Re-opened (or approved) for ``serve`` to run (no tools here, or another worker took it first)."""
     RAN = "ran"
@@ -216,6 +219,8 @@ class AuditService:
         self.store = runtime.audit_store()
         self.sessions = runtime.session_store()
         self.trails = TrailStore(runtime.engine)
+        self._reruns: dict[CallKey, asyncio.Task[None]] = {}
+        """Re-runs started by ``resolve(..., wait=False)`` and not over yet."""
 
     @property
     def engine(self) -> AsyncEngine:
@@ -399,8 +404,15 @@ class AuditService:
 
     # ----------------------------------------------------------------- writes
 
-    async def resolve(self, reference: str | CallReference, resolution: Resolution) -> ResolveReport:
-        """Settle an ``unknown`` call as the operator says, on the record, then submit it."""
+    async def resolve(
+        self, reference: str | CallReference, resolution: Resolution, *, wait: bool = True
+    ) -> ResolveReport:
+        """Settle an ``unknown`` call as the operator says, on the record, then submit it.
+
+        A re-run (with the tools here) runs the handler: ``wait`` for it, or (``wait=False``,
+        the HTTP API) answer once the call is re-opened, ``RERUNNING``, and run it in the
+        background (``rerunning``, ``stop_reruns``): a handler may run for minutes, and a
+        request held that long is cut by proxies (the call, not the answer, says how it ends)."""
         call = await self.find_one(reference)
         if call.status is not CallStatus.UNKNOWN:
             raise NotResolvableError(
@@ -414,6 +426,9 @@ class AuditService:
                 raise NotResolvableError(f"call {call.key} changed while being resolved: look again")
             if self.registry is None:
                 return ResolveReport(call_view(reopened, self.redactor), ResolveAction.LEFT_FOR_SERVICE)
+            if not wait:
+                self._rerun_in_background(reopened, operator_store)
+                return ResolveReport(call_view(reopened, self.redactor), ResolveAction.RERUNNING)
             try:
                 action = _rerun_action(await self._executor(operator_store).handle_recorded(reopened))
             except AgentsAuthError as error:
@@ -435,6 +450,48 @@ class AuditService:
             action = _refused_submission(call, error)
         latest = await self.find_one(CallReference(key=call.key))
         return ResolveReport(call_view(latest, self.redactor), action)
+
+    def _rerun_in_background(self, call: CallRecord, store: LedgerStore) -> None:
+        key = call.key
+
+        async def rerun() -> None:
+            from toolledger.runtime.loop_logging import log_failure
+
+            try:
+                report = await self._executor(store).handle_recorded(call)
+                log.info("call %s: re-run by operator: %s", key, _rerun_action(report).value)
+            except asyncio.CancelledError:
+                log.warning(
+                    "call %s: the operator's re-run was cut off (shutting down); it becomes unknown "
+                    "again once its lease runs out",
+                    key,
+                )
+                raise
+            except AgentsAuthError as error:
+                _refused_submission(call, error)
+            except Exception:
+                log_failure(log, "call %s: the operator's re-run stopped; the ledger says how far", key)
+
+        task = asyncio.create_task(rerun(), name=f"operator re-run {key}")
+        self._reruns[key] = task
+        task.add_done_callback(lambda _: self._reruns.pop(key, None))
+
+    @property
+    def rerunning(self) -> frozenset[CallKey]:
+        """Calls this service is re-running in the background now."""
+        return frozenset(self._reruns)
+
+    async def stop_reruns(self, grace: float) -> list[CallKey]:
+        """Let background re-runs finish within ``grace`` seconds, then cancel the rest (their
+        leases run out: unknown again, as after a crash); the calls cut off."""
+        running = dict(self._reruns)
+        if not running:
+            return []
+        _, left = await asyncio.wait(running.values(), timeout=grace)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return [key for key, task in running.items() if task in left]
 
     def has_verify_hook(self, call: CallRecord) -> bool:
         """Whether this process can ask ``call``'s verify hook: it was given the tools (``--tools``,
@@ -619,6 +676,7 @@ class AuditService:
             self.gateway,
             self.settings,
             run_handlers=self.registry is not None,
+            threads=self.runtime.handler_threads(),
         )
 
 

@@ -238,18 +238,7 @@ def serve(
     started.info("ledger: %s", masked_url(settings.database_url))
     started.info("%s", settings.agents_api_sources())
     api_app = _audit_app(settings, registry) if with_api else None
-    cut_off, failure = run(_serve(registry, settings, watch_ids, api_app, log_level))
-    if cut_off:
-        # A handler thread cut off at shutdown may never return: don't wait for it (the
-        # process's liveness lock goes with it, and its calls are taken over at once).
-        if failure is not None:
-            click.echo(f"Error: {failure}", err=True)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        import os
-
-        os._exit(1 if failure is not None else 0)
+    failure = run(_serve(registry, settings, watch_ids, api_app, log_level))
     if failure is not None:
         raise click.ClickException(str(failure))
 
@@ -282,7 +271,8 @@ def _serve_processes(
             shared += [f"--{name.replace('_', '-')}", str(value)]
     first = [*shared, *(a for w in watch_ids for a in ("--watch", w)), *(["--api"] if with_api else [])]
     children = [first] + [_without_api_options(shared)] * (processes - 1)
-    code = supervise(children)
+    grace = options["grace"] if options.get("grace") is not None else settings.shutdown_grace_seconds
+    code = supervise(children, grace=grace)
     if code:
         sys.exit(code)
 
@@ -321,8 +311,13 @@ async def _serve(
     watch_ids: tuple[str, ...],
     api_app: FastAPI | None = None,
     log_level: str = "info",
-) -> tuple[int, BaseException | None]:
-    """Serve until a signal or a fatal failure: how many calls were cut off, and the failure."""
+) -> BaseException | None:
+    """Serve until a signal or a fatal failure; the failure, if any.
+
+    Calls still running after the grace period are cut off, and the process ends at once
+    (``_exit_now``), its handler threads with it: they cannot be stopped, and the default
+    exit would wait for whatever they wait for. Its liveness lock goes with it, and the next
+    replica takes its calls over as after a crash."""
     from toolledger.runtime.service import Service
 
     service = Service(registry, settings)
@@ -342,10 +337,31 @@ async def _serve(
         if service.failure is None:
             logging.getLogger("toolledger.service").info("shutting down (signal received)")
     finally:
-        cut_off = await service.stop()
-        if api_task is not None:
-            await _finish_api(api_task, settings)
-    return cut_off, service.failure
+        cut_off = await service.stop(exiting=True)
+        try:
+            if api_task is not None:
+                await _finish_api(api_task, settings)
+        finally:
+            threads = service.handler_threads_running()
+            if cut_off or threads:
+                _exit_now(service.failure, threads)
+    return service.failure
+
+
+def _exit_now(failure: BaseException | None, threads: list[str]) -> None:
+    """End the process now: handler threads still running (cut off, or timed out earlier)
+    would keep it alive for as long as they hang."""
+    import os
+
+    service_log = logging.getLogger("toolledger.service")
+    for thread in threads:
+        service_log.warning("exiting: handler thread cut off by the exit: %s", thread)
+    if failure is not None:
+        click.echo(f"Error: {failure}", err=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failure is not None else 0)
 
 
 def _start_api(app: FastAPI, settings: Settings, stop: asyncio.Event, log_level: str) -> asyncio.Task[None]:
@@ -627,6 +643,8 @@ def status(as_json: bool, replica_here: bool, database_url: str | None) -> None:
                 f"replica:    {replica['replica_id']} (pid {replica['pid']} on {replica['hostname']}), "
                 f"{replica['sessions']} session(s), heartbeat {replica['heartbeat_age_seconds']:.1f}s ago"
             )
+            if replica.get("handlers"):
+                click.echo(f"  handlers: {_handler_load_text(replica['handlers'])}")
         if report["database_reachable"] and report["schema_current"] and not report["replicas"]:
             click.echo("replicas:   none alive")
         if "watched_sessions" in report:
@@ -671,6 +689,21 @@ async def _replicas_here(settings: Settings) -> str | None:
     return "alive: " + ", ".join(f"{r.replica_id} (pid {r.pid})" for r in mine)
 
 
+def _handler_load_text(load: dict[str, int]) -> str:
+    """A replica's handlers as its last heartbeat told them."""
+    parts = [
+        f"{load.get('running', 0)}/{load.get('slots', 0)} slots running",
+        f"threads {load.get('threads_busy', 0)}/{load.get('threads', 0)} busy",
+    ]
+    if load.get("threads_timed_out"):
+        parts.append(f"{load['threads_timed_out']} timed out and still running (each holds its thread)")
+    if load.get("waiting_for_thread"):
+        parts.append(f"{load['waiting_for_thread']} call(s) waiting for a thread")
+    if load.get("waiting_for_slot"):
+        parts.append(f"{load['waiting_for_slot']} call(s) waiting for a slot")
+    return ", ".join(parts)
+
+
 async def _status(settings: Settings) -> dict[str, Any]:
     from toolledger.domain.records import CallRecord
     from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER, CallStatus
@@ -712,6 +745,8 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "sessions": owners.get(r.replica_id, 0),
                 # The heartbeat is stamped by another clock: never report it from the future.
                 "heartbeat_age_seconds": max(0.0, (now - r.heartbeat_at).total_seconds()),
+                # Slots and threads as of that heartbeat; None from a replica that did not say.
+                "handlers": dict(r.handler_load) if r.handler_load is not None else None,
             }
             for r in await sessions_store.live_replicas()
         ]

@@ -818,6 +818,7 @@ RESOLVE_MESSAGES = {
     "submit_failed": "{verb}; the submission failed for now and is retried by `toolledger serve`",
     "not_sent": "{verb}; no Agents API is configured here, `toolledger serve` submits it",
     "rerun": "ran again here, and its result was submitted",
+    "rerunning": "re-opened, and being run again in the background: follow the call",
     "left_for_service": "re-opened or approved: `toolledger serve` runs it (or another worker took it first)",
     "ran": "approved, run here, and its result submitted",
 }
@@ -880,7 +881,12 @@ def resolve_call(
 ) -> None:
     """Settle a call whose outcome is unknown: say what happened (--output or --error), or
     allow it to run again (--rerun). The result is submitted to the session right away.
-    With --filter instead of REFERENCE: every unknown call the filter flags select."""
+    With --filter instead of REFERENCE: every unknown call the filter flags select.
+
+    --rerun without --tools re-opens the call for `serve` and returns at once. With --tools it
+    runs here and waits, saying on stderr every few seconds how long it has run: at most the
+    tool's timeout (TOOLLEDGER_HANDLER_TIMEOUT_SECONDS unless the tool declares one), then
+    the submission."""
     from toolledger.audit.service import Resolution, ResolutionKind
 
     if (reference is None) == (not bulk):
@@ -1020,11 +1026,42 @@ def _say_interrupted(report: BulkReport | None) -> None:
     )
 
 
+RERUN_PROGRESS_SECONDS = 5.0
+"""How often a re-run run here says, on stderr, that it is still under way."""
+
+
 async def _resolve(
     settings: Settings, reference: str, resolution: Resolution, registry: ToolRegistry | None
 ) -> ResolveReport:
+    """The resolution, once done. A re-run with ``--tools`` runs the handler in this process
+    and waits for it, saying every few seconds on stderr how long it has run: at most the
+    tool's timeout (its ``timeout``, else TOOLLEDGER_HANDLER_TIMEOUT_SECONDS; a sync handler
+    that passes it is left to its thread, which ends with this process), then the submission.
+    Without ``--tools`` the call is re-opened for `serve` and the command returns at once."""
+    from toolledger.audit.service import ResolutionKind
+
     async with audit_service(settings, registry=registry) as service:
-        return await service.resolve(reference, resolution)
+        if resolution.kind is not ResolutionKind.RERUN or registry is None:
+            return await service.resolve(reference, resolution)
+        call = await service.find_one(reference)
+        tool = registry.get(call.tool_name)
+        bound = settings.handler_timeout_seconds
+        if tool is not None and tool.timeout is not None:
+            bound = tool.timeout
+        resolving = asyncio.ensure_future(service.resolve(reference, resolution))
+        started = time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({resolving}, timeout=RERUN_PROGRESS_SECONDS)
+            if done:
+                return resolving.result()
+            state = next(
+                (run.describe() for run in service.runtime.handler_threads().runs() if run.key == call.key),
+                f"running for {time.monotonic() - started:.0f}s",
+            )
+            click.echo(
+                f"re-running {call.key} ({call.tool_name}): {state}; it times out after {bound:g}s",
+                err=True,
+            )
 
 
 # -------------------------------------------------------------- approve / deny

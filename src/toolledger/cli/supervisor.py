@@ -34,8 +34,18 @@ class _Child:
     started: float = field(default_factory=time.monotonic)
 
 
-def supervise(child_arguments: Sequence[Sequence[str]]) -> int:
-    """Run one `toolledger serve` per entry (its arguments), until a signal; the exit code."""
+STOP_MARGIN_SECONDS = 15.0
+"""Beyond a child's grace period, how long it may take to stop before it is killed: its
+shutdown's own writes, its audit API's, its interpreter's exit."""
+
+
+def supervise(child_arguments: Sequence[Sequence[str]], *, grace: float | None = None) -> int:
+    """Run one `toolledger serve` per entry (its arguments), until a signal; the exit code.
+
+    ``grace``: the children's shutdown grace period. A child still running
+    ``STOP_MARGIN_SECONDS`` after it (it should have exited by then, cutting off its
+    handlers) is killed, so that a stop always ends; its calls are taken over as after a
+    crash. None: wait for the children however long they take."""
     stopping: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -69,12 +79,34 @@ def supervise(child_arguments: Sequence[Sequence[str]]) -> int:
         for child in children:
             if child.process.poll() is None:
                 child.process.send_signal(stopping[0] if stopping else signal.SIGTERM)
-        codes = [child.process.wait() for child in children]
+        codes = _wait_all(children, None if grace is None else grace + STOP_MARGIN_SECONDS)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if failure:
         return failure
     return max((code for code in codes if code > 0), default=0)
+
+
+def _wait_all(children: list[_Child], within: float | None) -> list[int]:
+    """The children's exit codes, once they exited; those still running after ``within``
+    seconds are killed (SIGKILL)."""
+    deadline = None if within is None else time.monotonic() + within
+    codes = []
+    for child in children:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            codes.append(child.process.wait(timeout=left))
+        except subprocess.TimeoutExpired:
+            log.error(
+                "serve process %d (pid %d) did not stop within %.0fs: killing it (its calls are "
+                "taken over as after a crash)",
+                child.index,
+                child.process.pid,
+                within or 0.0,
+            )
+            child.process.kill()
+            codes.append(child.process.wait())
+    return codes
 
 
 def _start(index: int, arguments: list[str]) -> _Child:

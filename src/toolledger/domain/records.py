@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -105,3 +106,5 @@ class ReplicaRecord:
     started_at: datetime
     heartbeat_at: datetime
     expires_at: datetime
+    handler_load: Mapping[str, int] | None = None
+    """How its handlers stood at its last heartbeat (slots, threads, waits), if it said."""

@@ -1,10 +1,15 @@
-"""Runs delivered calls concurrently, bounded, each at most once at a time in this process.
+"""Runs delivered calls concurrently, each at most once at a time in this process.
 
 The ledger already guarantees at-most-once across processes; this only saves the database
 round trips when one call is announced several times while it runs (a repeated event, a
 reconnect's snapshot, a reconcile pass), or again just after this process submitted its
 result (every later ``requires_action`` event of the turn lists the calls still awaited a
 moment before: with ten parallel calls, forty-five such announcements per turn).
+
+Nothing here waits for a handler slot: a delivered call is recorded and claimed at once, and
+only its handler's run waits, under its lease, for a slot and a thread (``handler_runner``).
+When every slot was taken before recording, hung handlers kept new calls (async ones too)
+from even being recorded.
 """
 
 from __future__ import annotations
@@ -14,13 +19,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 from toolledger.domain.delivered import delivered_key
 from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord
-from toolledger.domain.states import RESULT_STATUSES, CallStatus
+from toolledger.domain.states import CallStatus
 from toolledger.errors import AgentsAuthError
 from toolledger.runtime.executor import Executor, HandleAction, HandleReport
 from toolledger.runtime.loop_logging import log_failure, note_interruption
@@ -34,20 +38,19 @@ class CallRunner:
     def __init__(
         self,
         executor: Executor,
-        limit: int,
         *,
         on_report: Callable[[HandleReport], None] | None = None,
         on_fatal: Callable[[AgentsAuthError], None] | None = None,
     ) -> None:
         """``on_report`` hears of every call handled (the service schedules what waits);
-        ``on_fatal`` of refused credentials, which no retry of a call will mend."""
+        ``on_fatal`` of refused credentials, which no retry of a call will mend. How many
+        handlers run at once is the executor's to bound (``max_concurrent_calls``)."""
         self.executor = executor
         self._on_report = on_report
         self._on_fatal = on_fatal
-        self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[CallKey, asyncio.Task[HandleReport]] = {}
         self._running: dict[str, set[CallKey]] = {}
-        """Per session, its calls holding a slot: being handled now, not queued for one."""
+        """Per session, its calls being handled now."""
         executor.submitter.follow_running(lambda session_id: self._running.get(session_id, ()))
         self._submitted: OrderedDict[CallKey, float] = OrderedDict()
         """Calls this process saw accepted, and when (monotonic): a listing shortly after is stale."""
@@ -123,18 +126,16 @@ class CallRunner:
     ) -> HandleReport:
         # A stored result is only sent again: it runs no handler, so it takes no handler's
         # slot. After a crash, a session's stored results then reach the submitter together
-        # and go in one request; queued for slots, they trickled out a few at a time.
-        resent = known is not None and known.status in RESULT_STATUSES
-        async with nullcontext() if resent else self._slots:
-            running = self._running.setdefault(key.session_id, set())
-            running.add(key)
-            try:
-                report = await self._handle(key, action, known, listing_may_be_stale)
-            finally:
-                running.discard(key)
-                if not running and self._running.get(key.session_id) is running:
-                    del self._running[key.session_id]
-                await self.executor.submitter.running_finished(key.session_id)
+        # and go in one request (queued for slots, they trickled out a few at a time).
+        running = self._running.setdefault(key.session_id, set())
+        running.add(key)
+        try:
+            report = await self._handle(key, action, known, listing_may_be_stale)
+        finally:
+            running.discard(key)
+            if not running and self._running.get(key.session_id) is running:
+                del self._running[key.session_id]
+            await self.executor.submitter.running_finished(key.session_id)
         self._remember(report)
         if self._on_report is not None:
             self._on_report(report)
@@ -164,16 +165,22 @@ class CallRunner:
             note_interruption(log, "handling call %s interrupted", key)
             return HandleReport(key, HandleAction.INTERRUPTED, None, retry_in=look_again)
 
-    async def drain(self, grace: float) -> int:
+    async def drain(
+        self, grace: float, *, before_cut: Callable[[list[CallKey]], None] | None = None
+    ) -> list[CallKey]:
         """Take no new calls; wait up to ``grace`` seconds for running ones, then cancel the
-        rest (their leases expire and they become ``unknown``, as after a crash). Returns how
-        many were cancelled."""
+        rest (their leases expire and they become ``unknown``, as after a crash; a sync
+        handler's thread is not stopped by it). Returns the calls cut off; ``before_cut``
+        hears of them before they are cancelled (while their handlers' state can be told)."""
         self._accepting = False
-        pending = set(self._inflight.values())
+        pending = {task: key for key, task in self._inflight.items()}
         if not pending:
-            return 0
+            return []
         _, still_running = await asyncio.wait(pending, timeout=grace)
+        cut = sorted((pending[task] for task in still_running), key=str)
+        if cut and before_cut is not None:
+            before_cut(cut)
         for task in still_running:
             task.cancel()
         await asyncio.gather(*still_running, return_exceptions=True)
-        return len(still_running)
+        return cut

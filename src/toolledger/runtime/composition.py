@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     # The SDK comes with the gateway: imported when a gateway is built, not with this module.
     from toolledger.gateway.agents import AgentsGateway
+    from toolledger.runtime.handler_threads import HandlerThreads
     from toolledger.store.exclusive import SQLiteServiceLock
 
 log = logging.getLogger("toolledger.runtime")
@@ -57,6 +58,7 @@ class Runtime:
         self._own_engine = engine is None
         self._gateway = gateway
         self._own_gateway = gateway is None
+        self._handler_threads: HandlerThreads | None = None
 
     @classmethod
     def from_settings(
@@ -135,6 +137,18 @@ class Runtime:
         the SDK's defaults (its public address, a placeholder key) must not become a
         destination nobody chose. None otherwise."""
         return self.gateway() if self.agents_api_configured else None
+
+    # ----------------------------------------------------------------- handlers
+
+    def handler_threads(self) -> HandlerThreads:
+        """The threads sync handlers run in (``handler_threads`` of them at once), built on first
+        use and shared by every executor of this runtime: apart from the event loop's default
+        executor, where asyncio resolves host names for the SDK's connections."""
+        if self._handler_threads is None:
+            from toolledger.runtime.handler_threads import HandlerThreads
+
+            self._handler_threads = HandlerThreads(self.settings.handler_threads)
+        return self._handler_threads
 
     # ------------------------------------------------------------------- stores
 

@@ -50,6 +50,7 @@ from toolledger.runtime.decider import (
     tool_for,
 )
 from toolledger.runtime.handler_runner import HandlerRunner, _failure, _Stage
+from toolledger.runtime.handler_threads import HandlerThreads
 from toolledger.runtime.registry import RegisteredTool, ToolRegistry
 from toolledger.runtime.retried_ledger import RetriedLedger
 from toolledger.runtime.submitter import Submitter, submission_backoff
@@ -116,11 +117,14 @@ class Executor:
         *,
         run_handlers: bool = True,
         liveness: Liveness | None = None,
+        threads: HandlerThreads | None = None,
     ) -> None:
         """``run_handlers=False``: a process without the application's tools (``toolledger
         reconcile`` with no ``--tools``) resubmits and confirms, but never runs or settles a
         call: that needs the tool's code and declaration. ``liveness`` tells which lease
-        owners are provably gone, so their calls are taken without waiting for the lease."""
+        owners are provably gone, so their calls are taken without waiting for the lease.
+        ``threads``: the process's pool for sync handlers (``Runtime.handler_threads``);
+        without it, one of this executor's own."""
         self.registry = registry
         self.store = store
         self.gateway = gateway
@@ -129,7 +133,7 @@ class Executor:
         self.liveness = liveness
         self.policy = Policy.of(settings, run_handlers=run_handlers)
         self.ledger = RetriedLedger(store, settings)
-        self.handlers = HandlerRunner(store, settings)
+        self.handlers = HandlerRunner(store, settings, threads)
         self.submitter = Submitter(gateway, self.ledger, batching=settings.batching)
         self._asked: OrderedDict[CallKey, None] = OrderedDict()
 

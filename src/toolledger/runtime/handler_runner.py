@@ -1,29 +1,38 @@
 """Runs the application's code for a claimed call: its handler (with timeout, retries and a
 lease heartbeat) and its verify hook, and turns whatever happens into the result the model
 gets. What the result then becomes in the ledger is the caller's to say (``KeepOutcome``).
+
+A claimed call may wait before its handler starts: for a handler slot
+(``TOOLLEDGER_MAX_CONCURRENT_CALLS``), and a sync handler first for a thread of its own
+(``handler_threads``). It waits under its lease, renewed as a running call's is; recording and
+claiming it never waited for either. A sync handler's run takes its thread before its slot,
+so that runs waiting for a thread hold no slot an async handler could use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import pydantic
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception_type,
+    retry_if_not_exception_type,
     stop_after_attempt,
     wait_exponential,
 )
+from tenacity.retry import retry_base
 
 from toolledger import metrics
 from toolledger.domain.keys import CallKey
@@ -50,6 +59,7 @@ from toolledger.domain.results import (
 from toolledger.errors import TransactionLostError
 from toolledger.runtime.context import ToolContext, VerifyAnswer, bind_context, reset_context
 from toolledger.runtime.decider import Verified
+from toolledger.runtime.handler_threads import HandlerThreads, ThreadTimeout
 from toolledger.runtime.registry import RegisteredTool
 from toolledger.settings import Settings
 from toolledger.store.engine import write_lock
@@ -67,10 +77,85 @@ if TYPE_CHECKING:
 log = logging.getLogger("toolledger.executor")
 
 
+Phase = Literal["waiting for a handler thread", "waiting for a handler slot", "running"]
+
+
+@dataclass
+class Activity:
+    """Where a claimed call's handler run is, in this process."""
+
+    tool: str
+    phase: Phase
+    since: float
+    """When it entered the phase (monotonic)."""
+    waited: float = 0.0
+    """Seconds spent waiting in earlier phases (not counted as the handler's run time)."""
+
+    def waited_until(self, now: float) -> float:
+        return self.waited + (0.0 if self.phase == "running" else now - self.since)
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        started = "" if self.phase == "running" else " (its handler not started)"
+        return f"{self.phase} for {now - self.since:.1f}s{started}"
+
+
+@dataclass(frozen=True)
+class HandlerLoad:
+    """How busy a process's handlers are: its slots and its threads."""
+
+    slots: int
+    """Handler slots (TOOLLEDGER_MAX_CONCURRENT_CALLS)."""
+    running: int
+    """Handlers running now."""
+    waiting_for_slot: int
+    """Claimed calls waiting for a handler slot (their leases renewed)."""
+    threads: int
+    """Handler threads (TOOLLEDGER_HANDLER_THREADS)."""
+    threads_busy: int
+    """Handler threads taken, timed-out ones still running included."""
+    threads_timed_out: int
+    """Threads whose handler timed out (or was cut off) and still runs, holding its slot."""
+    waiting_for_thread: int
+    """Sync handlers' runs waiting for a thread."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
 class HandlerRunner:
-    def __init__(self, store: LedgerStore, settings: Settings) -> None:
+    def __init__(self, store: LedgerStore, settings: Settings, threads: HandlerThreads | None = None) -> None:
+        """``threads``: where sync handlers run (the process's pool, shared by its executors);
+        without it, a pool of ``settings.handler_threads`` of this runner's own."""
         self.store = store
         self.settings = settings
+        self.threads = threads or HandlerThreads(settings.handler_threads)
+        self._slots = asyncio.Semaphore(settings.max_concurrent_calls)
+        self.activity: dict[CallKey, Activity] = {}
+        """Calls whose handler run is under way here: waiting, or running."""
+
+    def load(self) -> HandlerLoad:
+        phases = [activity.phase for activity in self.activity.values()]
+        threads = self.threads.snapshot()
+        return HandlerLoad(
+            slots=self.settings.max_concurrent_calls,
+            running=phases.count("running"),
+            waiting_for_slot=phases.count("waiting for a handler slot"),
+            threads=threads.size,
+            threads_busy=threads.busy,
+            threads_timed_out=threads.timed_out,
+            waiting_for_thread=threads.waiting,
+        )
+
+    def describe(self, key: CallKey) -> tuple[str, str] | None:
+        """The call's tool, and where its handler run is, for a log line; None when none is
+        under way here."""
+        now = time.monotonic()
+        for run in self.threads.runs():
+            if run.key == key:
+                return run.tool, run.describe(now)
+        activity = self.activity.get(key)
+        return None if activity is None else (activity.tool, activity.describe(now))
 
     async def run(
         self, tool: RegisteredTool, call: CallRecord, arguments: dict[str, Any], keep: KeepOutcome
@@ -78,7 +163,8 @@ class HandlerRunner:
         """Run the handler under the call's lease, then ``keep`` its outcome."""
         heartbeat = asyncio.create_task(self._heartbeat(call.key, call.lease_token))
         try:
-            outcome = (await self._invoke(tool, self.context(tool, call), arguments)).ending
+            with self._activity(tool, call.key):
+                outcome = (await self._invoke(tool, self.context(tool, call), arguments)).ending
         finally:
             heartbeat.cancel()
             with suppress(asyncio.CancelledError):
@@ -97,16 +183,20 @@ class HandlerRunner:
         context = self.context(tool, call)
         retried: list[str] = []
         try:
-            # Only a run that raised what the tool retries after is run again (``_RunAgain``):
-            # a lost connection or a refused result is never retried here.
-            async for attempt in self._retrying(tool, context, retried, after=(_RunAgain,)):
-                with attempt:
-                    ran = await self._in_transaction(tool, call, context, arguments, keep, retried)
-                    if isinstance(ran, _Ran):
-                        if isinstance(ran.error, tool.retry_on):
-                            raise _RunAgain(ran)
-                        return _with_retries(ran.ending, retried)
-                    return ran
+            with self._activity(tool, call.key):
+                # Only a run that raised what the tool retries after is run again (``_RunAgain``):
+                # a lost connection or a refused result is never retried here.
+                async for attempt in self._retrying(tool, context, retried, after=(_RunAgain,)):
+                    with attempt:
+                        # The slot before the connection: on SQLite a transaction waiting for
+                        # a slot would hold the file's write lock.
+                        async with self._slot(call.key):
+                            ran = await self._in_transaction(tool, call, context, arguments, keep, retried)
+                        if isinstance(ran, _Ran):
+                            if isinstance(ran.error, tool.retry_on):
+                                raise _RunAgain(ran)
+                            return _with_retries(ran.ending, retried)
+                        return ran
         except _RunAgain as last:
             return _with_retries(last.ran.ending, retried)
         finally:
@@ -192,6 +282,80 @@ class HandlerRunner:
             ),
         )
 
+    # ------------------------------------------------------------ slots and threads
+
+    @contextmanager
+    def _activity(self, tool: RegisteredTool, key: CallKey) -> Iterator[None]:
+        self.activity[key] = Activity(tool.name, "running", time.monotonic())
+        try:
+            yield
+        finally:
+            self.activity.pop(key, None)
+
+    def _phase(self, key: CallKey, phase: Phase) -> None:
+        activity = self.activity.get(key)
+        if activity is not None and activity.phase != phase:
+            now = time.monotonic()
+            activity.waited = activity.waited_until(now)
+            activity.phase, activity.since = phase, now
+
+    def _waited(self, key: CallKey) -> float:
+        activity = self.activity.get(key)
+        return 0.0 if activity is None else activity.waited_until(time.monotonic())
+
+    @asynccontextmanager
+    async def _slot(self, key: CallKey) -> AsyncIterator[None]:
+        """A handler slot (``max_concurrent_calls``), waited for under the call's lease."""
+        if self._slots.locked():
+            self._phase(key, "waiting for a handler slot")
+            metrics.HANDLER_SLOT_WAITS.inc()
+            try:
+                await self._slots.acquire()
+            finally:
+                metrics.HANDLER_SLOT_WAITS.dec()
+        else:
+            await self._slots.acquire()
+        self._phase(key, "running")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    async def _in_thread(
+        self, tool: RegisteredTool, key: CallKey, arguments: dict[str, Any], stage: _Stage
+    ) -> Any:
+        """A sync handler in a thread of its own: a thread first (the tool's share of the
+        process's), then a handler slot, then the timeout.
+
+        The timeout counts from the thread's start, not from the wait for one. A call waiting
+        has not begun its side effect: failing it "timed out" would tell the model that a tool
+        ran too long when it never ran, because other handlers hung; and a wait is no run
+        (the lease is renewed meanwhile, and status and metrics show the wait). A timed-out
+        handler's thread cannot be stopped: it keeps its thread slot until it returns, and the
+        call is never started again meanwhile (``HandlerThreads`` runs one thread per call)."""
+        self._phase(key, "waiting for a handler thread")
+        async with (
+            self.threads.slot(tool=tool.name, key=key, limit=tool.threads) as thread,
+            self._slot(key),
+        ):
+            seconds = self._timeout(tool)
+            try:
+                return await thread.run(
+                    functools.partial(_call_in_thread, tool, arguments, stage.set), time_limit=seconds
+                )
+            except ThreadTimeout:
+                log.warning(
+                    "call %s (%s): handler timed out after %gs; its thread still runs, holding a "
+                    "handler thread until it returns",
+                    key,
+                    tool.name,
+                    seconds,
+                )
+                raise _HandlerTimeout from None
+
+    def _timeout(self, tool: RegisteredTool) -> float:
+        return tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
+
     def _retrying(
         self,
         tool: RegisteredTool,
@@ -201,7 +365,8 @@ class HandlerRunner:
     ) -> AsyncRetrying:
         """Runs of a handler within its claim: again after what the tool's ``retry_on`` names
         (or ``after``), up to ``retries`` times, with exponential backoff; ``retried``
-        collects what each next run came after."""
+        collects what each next run came after. A sync handler that timed out is not run
+        again: its thread may still be at work."""
 
         def note_retry(state: RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome is not None else None
@@ -217,10 +382,13 @@ class HandlerRunner:
                 tool.retries,
             )
 
+        retry: retry_base = retry_if_exception_type(tool.retry_on if after is None else after)
+        if not tool.is_async:
+            retry = retry & retry_if_not_exception_type(_HandlerTimeout)
         return AsyncRetrying(
             stop=stop_after_attempt(tool.retries + 1),
             wait=wait_exponential(multiplier=0.05, max=2),
-            retry=retry_if_exception_type(tool.retry_on if after is None else after),
+            retry=retry,
             before_sleep=note_retry,
             reraise=True,
         )
@@ -235,23 +403,22 @@ class HandlerRunner:
         retried: list[str] = []
 
         async def attempt_once() -> Any:
-            deadline = asyncio.timeout(
-                tool.timeout if tool.timeout is not None else self.settings.handler_timeout_seconds
-            )
-            try:
-                async with deadline:
-                    if tool.is_async:
+            if not tool.is_async:
+                # The thread gets a copy of this task's context: current_context() works there.
+                value = await self._in_thread(tool, context.key, arguments, stage)
+                return await value if inspect.isawaitable(value) else value
+            async with self._slot(context.key):
+                deadline = asyncio.timeout(self._timeout(tool))
+                try:
+                    async with deadline:
                         value = tool.function_tool._call(arguments, stage.set)
-                    else:
-                        # to_thread copies the context, so current_context() works in the thread.
-                        value = await asyncio.to_thread(_call_in_thread, tool, arguments, stage.set)
-                    return await value if inspect.isawaitable(value) else value
-            except TimeoutError:
-                if deadline.expired():
-                    raise _HandlerTimeout from None
-                raise
+                        return await value if inspect.isawaitable(value) else value
+                except TimeoutError:
+                    if deadline.expired():
+                        raise _HandlerTimeout from None
+                    raise
 
-        with _handler_run(tool, context) as span:
+        with _handler_run(tool, context, functools.partial(self._waited, context.key)) as span:
             raised: Exception | None = None
             try:
                 if retry and tool.retries:
@@ -338,18 +505,22 @@ class _Stage:
 
 
 @contextmanager
-def _handler_run(tool: RegisteredTool, context: ToolContext) -> Iterator[CallSpan]:
+def _handler_run(
+    tool: RegisteredTool, context: ToolContext, waited: Callable[[], float] = lambda: 0.0
+) -> Iterator[CallSpan]:
     """The handler's run as the tool sees it (its context bound) and as operators measure it
-    (a duration per tool, a span)."""
+    (a duration per tool, a span). ``waited``: seconds the call has waited for slots and
+    threads so far, left out of the duration."""
     reset = bind_context(context)
-    started = time.perf_counter()
+    started, waited_before = time.perf_counter(), waited()
     try:
         with call_span(
             "toolledger.handler", context.key, tool=tool.name, effect_class=tool.effect.value
         ) as span:
             yield span
     finally:
-        metrics.HANDLER_DURATION.labels(tool.name).observe(time.perf_counter() - started)
+        ran = time.perf_counter() - started - (waited() - waited_before)
+        metrics.HANDLER_DURATION.labels(tool.name).observe(max(ran, 0.0))
         reset_context(reset)
 
 

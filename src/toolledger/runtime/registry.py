@@ -59,6 +59,9 @@ class RegisteredTool:
     approval_timeout: float | None = None
     """Seconds a call waits for approval before the model gets a fixed "not approved in
     time" failure; None waits for ever."""
+    threads: int | None = None
+    """A sync handler: at most this many of its runs at once, in the process's handler threads
+    (``TOOLLEDGER_HANDLER_THREADS``); None: as many as those allow."""
 
     @property
     def gated(self) -> bool:
@@ -101,6 +104,7 @@ class ToolRegistry:
         max_attempts: int | None = None,
         approval: bool | ApprovalRule = False,
         approval_timeout: float | None = None,
+        threads: int | None = None,
     ) -> Callable[[Callable[..., Any]], FunctionTool[Any]]: ...
 
     def tool(
@@ -120,6 +124,7 @@ class ToolRegistry:
         max_attempts: int | None = None,
         approval: bool | ApprovalRule = False,
         approval_timeout: float | None = None,
+        threads: int | None = None,
     ) -> FunctionTool[Any] | Callable[[Callable[..., Any]], FunctionTool[Any]]:
         """Register a typed function (sync or async) as a tool; a ``ToolContext`` parameter
         receives the call's context and is left out of the schema.
@@ -142,7 +147,11 @@ class ToolRegistry:
         ``awaiting_approval`` and runs only once a person approves it (``toolledger calls
         approve``); a rule that raises counts as "needs approval".
         ``approval_timeout``: seconds it may wait for approval (default None: for ever) before
-        the model gets a fixed "not approved in time" failure."""
+        the model gets a fixed "not approved in time" failure.
+        ``threads``: a sync handler runs in a thread of its own, at most
+        ``TOOLLEDGER_HANDLER_THREADS`` of all tools' at once; this caps the tool's own share (a
+        tool whose downstream may hang then cannot take every thread). Its ``timeout`` counts
+        from its thread's start, not from its wait for one."""
 
         def register(fn: Callable[..., Any]) -> FunctionTool[Any]:
             where = _where(fn)
@@ -173,6 +182,7 @@ class ToolRegistry:
                 max_attempts=max_attempts,
                 approval=approval,
                 approval_timeout=approval_timeout,
+                threads=threads,
             )
             return built
 
@@ -191,6 +201,7 @@ class ToolRegistry:
         max_attempts: int | None = None,
         approval: bool | ApprovalRule = False,
         approval_timeout: float | None = None,
+        threads: int | None = None,
     ) -> FunctionTool[Any]:
         """Register an SDK ``FunctionTool`` as it is (its handler may call ``current_context()``)."""
         if not isinstance(tool, FunctionTool):
@@ -211,6 +222,7 @@ class ToolRegistry:
             max_attempts=max_attempts,
             approval=approval,
             approval_timeout=approval_timeout,
+            threads=threads,
         )
         return tool
 
@@ -248,6 +260,7 @@ class ToolRegistry:
         max_attempts: int | None,
         approval: bool | ApprovalRule = False,
         approval_timeout: float | None = None,
+        threads: int | None = None,
     ) -> None:
         declarable = [e.value for e in EffectClass if e is not EffectClass.UNREGISTERED]
         if effect not in declarable:
@@ -284,6 +297,12 @@ class ToolRegistry:
             raise RegistryError(
                 f"tool {tool.name!r}: approval_timeout must be positive, and needs approval=True or a rule"
             )
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise RegistryError(f"tool {tool.name!r}: threads must be a whole number >= 1")
+        if threads is not None and is_async:
+            raise RegistryError(
+                f"tool {tool.name!r}: threads= is for sync handlers (an async one runs on the event loop)"
+            )
         self._tools[tool.name] = RegisteredTool(
             function_tool=tool,
             effect=effect_class,
@@ -296,6 +315,7 @@ class ToolRegistry:
             max_attempts=max_attempts,
             approval=approval,
             approval_timeout=approval_timeout,
+            threads=threads,
         )
 
     def get(self, name: str) -> RegisteredTool | None:

@@ -42,6 +42,8 @@ from toolledger.runtime.alert_sender import WEBHOOK, AlertSender, alert_sender_f
 from toolledger.runtime.call_runner import CallRunner
 from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
+from toolledger.runtime.handler_runner import HandlerLoad
+from toolledger.runtime.handler_threads import running_handler_threads
 from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
@@ -90,8 +92,11 @@ class ServiceStatus:
     replica_id: str
     followed_sessions: int
     running_calls: int
+    """Calls being handled now: recorded and claimed, their handlers running or waiting."""
     started: bool
     stopping: bool
+    handlers: HandlerLoad | None = None
+    """Its handlers' slots and threads: taken, timed out and still running, waited for."""
 
 
 class Service:
@@ -170,9 +175,7 @@ class Service:
         _allow_many_connections()
         executor = self.ledger.executor
         self._sessions = self.ledger.runtime.session_store()
-        self._runner = CallRunner(
-            executor, self.settings.max_concurrent_calls, on_report=self._note_report, on_fatal=self._fail
-        )
+        self._runner = CallRunner(executor, on_report=self._note_report, on_fatal=self._fail)
         self._reconciler = Reconciler(
             executor,
             self.ledger.gateway,
@@ -209,10 +212,11 @@ class Service:
             self._loops.append(asyncio.create_task(self._alerts.run(), name="alert webhook"))
         self._started = True
         log.info(
-            "replica %s serving: %d session(s), up to %d concurrent calls",
+            "replica %s serving: %d session(s), up to %d concurrent calls, %d handler threads",
             self.replica_id,
             len(self._followers),
             self.settings.max_concurrent_calls,
+            self.settings.handler_threads,
         )
         return self
 
@@ -249,16 +253,25 @@ class Service:
             log.error("%s; stopping", error)
         self.failed.set()
 
-    async def stop(self, grace: float | None = None) -> int:
+    async def stop(self, grace: float | None = None, *, exiting: bool = False) -> int:
         """Graceful shutdown: take no new calls, let running ones finish within the grace
         period, give the session leases back. Returns how many calls were cut off (they
-        become ``unknown`` when their leases expire, as after a crash)."""
+        become ``unknown``, as after a crash); each is logged with its tool and state.
+
+        A sync handler's thread cannot be stopped: cut off, it runs on until its handler
+        returns. ``exiting``: the caller ends the process right after (``toolledger serve``),
+        and with it those threads. Then, if calls were cut off, this replica stays registered
+        and keeps its liveness lock until the process is gone: peers take its calls over as
+        soon as it is, as after a crash, not when their leases run out. Otherwise (a service
+        in an application's own process) the replica unregisters: its cut-off calls are taken
+        when their leases run out (their threads may still be at work until then)."""
         if self._stopping:
             await self._stopped.wait()
             return 0
         self._stopping = True
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         cut_off = 0
+        left_to_exit = False
         try:
             await _cancel_all([*self._loops, *self._followers.values(), *self._reconciling.values()])
             self._followers.clear()
@@ -270,31 +283,55 @@ class Service:
                         log, "shutdown: the alert sender's lease was not given back; it expires on its own"
                     )
             if self._runner is not None:
-                cut_off = await self._runner.drain(grace)
-                if cut_off:
-                    log.warning("shutdown: %d call(s) still running after %.0fs were cut off", cut_off, grace)
+                cut = await self._runner.drain(grace, before_cut=lambda keys: self._log_cut_off(keys, grace))
+                cut_off = len(cut)
+                left_to_exit = exiting and cut_off > 0
             if self._sessions is not None:
                 try:
                     await self._sessions.release(self.replica_id)
-                    # Unregistered, the replica is never "provably gone": calls cut off above
-                    # (a handler thread may still be at work) are taken when their leases run
-                    # out, not as soon as the locks below are given back.
-                    await self._sessions.remove_replica(self.replica_id)
+                    if not left_to_exit:
+                        # Unregistered, the replica is never "provably gone": calls cut off
+                        # above (a handler thread may still be at work) are taken when their
+                        # leases run out, not as soon as the locks below are given back.
+                        await self._sessions.remove_replica(self.replica_id)
                 except Exception:
                     log_failure(log, "shutdown: could not release session leases; they expire on their own")
         finally:
             for handle in self._wakes.values():
                 handle.cancel()
             self._wakes.clear()
-            try:
-                await self.ledger.liveness.release()
-            except Exception:
-                log_failure(log, "shutdown: the liveness lock was not released; it goes with the process")
+            if left_to_exit:
+                # Registered, its lock held: the lock goes with the process (and with its
+                # threads), and peers then take its calls over at once.
+                log.info(
+                    "shutdown: replica %s stays registered until the process exits; its cut-off "
+                    "calls are taken over then",
+                    self.replica_id,
+                )
+            else:
+                try:
+                    await self.ledger.liveness.release()
+                except Exception:
+                    log_failure(log, "shutdown: the liveness lock was not released; it goes with the process")
             await self.ledger.close()
-            self._lock.release()
+            if not left_to_exit:
+                self._lock.release()
             self._stopped.set()
             log.info("replica %s stopped", self.replica_id)
         return cut_off
+
+    def _log_cut_off(self, keys: list[CallKey], grace: float) -> None:
+        """Each call cut off, by tool and key (never its arguments), and how far it got."""
+        handlers = self.ledger.executor.handlers
+        log.warning("shutdown: %d call(s) still running after %.0fs are cut off", len(keys), grace)
+        for key in keys:
+            where = handlers.describe(key)
+            log.warning(
+                "shutdown: cut off call %s (tool %s): %s",
+                key,
+                where[0] if where is not None else "?",
+                where[1] if where is not None else "not in its handler (recording or submitting)",
+            )
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -326,7 +363,19 @@ class Service:
             running_calls=self._runner.inflight if self._runner else 0,
             started=self._started,
             stopping=self._stopping,
+            handlers=self._handler_load(),
         )
+
+    def _handler_load(self) -> HandlerLoad | None:
+        try:
+            return self.ledger.executor.handlers.load()
+        except RuntimeError:  # not started
+            return None
+
+    @staticmethod
+    def handler_threads_running() -> list[str]:
+        """Every handler thread of this process still running, as log lines would name it."""
+        return [f"{run.key} (tool {run.tool}): {run.describe()}" for run in running_handler_threads()]
 
     @property
     def sessions(self) -> SessionStore:
@@ -378,8 +427,13 @@ class Service:
     async def _balance(self) -> None:
         """Renew what we own, then take or give back sessions to hold a fair share."""
         sessions, lease = self.sessions, self.settings.session_lease_seconds
+        load = self._handler_load()
         await sessions.heartbeat_replica(
-            self.replica_id, hostname=socket.gethostname(), pid=os.getpid(), lease_seconds=lease
+            self.replica_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            lease_seconds=lease,
+            handler_load=None if load is None else load.as_dict(),
         )
         renewed = await sessions.renew(self.replica_id, self._leases, lease)
         self._last_renewal = time.monotonic()

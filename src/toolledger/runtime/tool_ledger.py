@@ -78,6 +78,7 @@ class ToolLedger:
             self.settings,
             run_handlers=self.run_handlers,
             liveness=self._liveness,
+            threads=self.runtime.handler_threads(),
         )
         return self
 

@@ -290,8 +290,10 @@ replicas = Table(
     Column("started_at", UtcDateTime(), nullable=False),
     Column("heartbeat_at", UtcDateTime(), nullable=False),
     Column("expires_at", UtcDateTime(), nullable=False),
+    Column("handler_load", Text),
 )
-"""Live ``serve`` processes: each takes a fair share of the watched sessions."""
+"""Live ``serve`` processes: each takes a fair share of the watched sessions. ``handler_load``:
+how its handlers stood at its last heartbeat (JSON: slots, threads, waits)."""
 
 alert_cursors = Table(
     "alert_cursors",

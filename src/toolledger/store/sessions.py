@@ -9,6 +9,7 @@ the others take its sessions over. On PostgreSQL the candidates are picked with
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -179,8 +180,17 @@ class SessionStore:
     # ---------------------------------------------------------------- replicas
 
     async def heartbeat_replica(
-        self, replica_id: str, *, hostname: str, pid: int, lease_seconds: float
+        self,
+        replica_id: str,
+        *,
+        hostname: str,
+        pid: int,
+        lease_seconds: float,
+        handler_load: Mapping[str, int] | None = None,
     ) -> None:
+        """Register the replica, or renew it; ``handler_load``: how its handlers stand now
+        (shown by `toolledger status`)."""
+        load = None if handler_load is None else json.dumps(dict(handler_load), sort_keys=True)
         insert = self._insert(replicas).values(
             replica_id=replica_id,
             hostname=hostname,
@@ -188,10 +198,15 @@ class SessionStore:
             started_at=utc_now(),
             heartbeat_at=utc_now(),
             expires_at=utc_after(float(lease_seconds)),
+            handler_load=load,
         )
         upsert = insert.on_conflict_do_update(
             index_elements=[replicas.c.replica_id],
-            set_={"heartbeat_at": utc_now(), "expires_at": utc_after(float(lease_seconds))},
+            set_={
+                "heartbeat_at": utc_now(),
+                "expires_at": utc_after(float(lease_seconds)),
+                "handler_load": load,
+            },
         )
         async with write_transaction(self.engine) as conn:
             await conn.execute(upsert)
@@ -249,7 +264,7 @@ class SessionStore:
             rows = await conn.execute(
                 select(replicas).where(replicas.c.expires_at >= utc_now()).order_by(replicas.c.started_at)
             )
-            return [ReplicaRecord(**row._mapping) for row in rows]
+            return [_replica(row) for row in rows]
 
     # ------------------------------------------------------------------- reads
 
@@ -295,6 +310,18 @@ class SessionStore:
 
 def _session(row: Row[Any]) -> SessionRecord:
     return SessionRecord(**row._mapping)
+
+
+def _replica(row: Row[Any]) -> ReplicaRecord:
+    fields = dict(row._mapping)
+    load = fields.pop("handler_load", None)
+    try:
+        parsed = json.loads(load) if load else None
+    except ValueError:
+        parsed = None  # written by no toolledger: shown as unknown, not trusted
+    if not isinstance(parsed, dict):
+        return ReplicaRecord(**fields)
+    return ReplicaRecord(**fields, handler_load={str(k): v for k, v in parsed.items() if isinstance(v, int)})
 
 
 __all__ = ["SessionStore"]

@@ -429,7 +429,9 @@ async function resolveOpenCall(event) {
     form.reset();
     form.elements.operator.value = sessionStorage.getItem(OPERATOR_KEY) || "";
     await openCall(id);
-    $("resolve-result").textContent = `Resolved: ${answer.action}; the call is now ${answer.call.status}.`;
+    $("resolve-result").textContent = answer.action === "rerunning"
+      ? "Re-opened: it runs again in the background. Open the call again to follow it to its end."
+      : `Resolved: ${answer.action}; the call is now ${answer.call.status}.`;
     await loadCalls({ page: currentPage });
   } catch (error) {
     showError(error);
