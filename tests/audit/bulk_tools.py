@@ -6,6 +6,7 @@ provider (``PROVIDER``: the idempotency keys it charged); `slow_pay`'s hook take
 from __future__ import annotations
 
 import asyncio
+import time
 
 from toolledger.runtime.context import ToolContext, Verification
 from toolledger.runtime.registry import ToolRegistry
@@ -16,6 +17,8 @@ PROVIDER: set[str] = set()
 SLOW_HOOK_SECONDS = 0.3
 ASKED: list[str] = []
 """Idempotency keys `slow_pay`'s hook was asked about, in order."""
+ASKED_AT: list[float] = []
+"""When (``time.monotonic()``) each of those asks began."""
 
 registry = ToolRegistry()
 
@@ -38,6 +41,7 @@ def pay(cents: int) -> str:
 
 async def _slowly_found(ctx: ToolContext) -> Verification:
     ASKED.append(ctx.idempotency_key)
+    ASKED_AT.append(time.monotonic())
     await asyncio.sleep(SLOW_HOOK_SECONDS)
     return Verification.executed("charged (found at the provider, slowly)")
 

@@ -249,6 +249,7 @@ async def test_bulk_resolve__a_run_slower_than_its_rate__stops_at_max_seconds__s
     time, answers what it did and what it left, and resolves nothing after the answer. The
     same request again takes up the rest, each call's hook asked once in all."""
     monkeypatch.setattr(bulk_tools, "ASKED", [])
+    monkeypatch.setattr(bulk_tools, "ASKED_AT", [])
     max_seconds = 1.0
     async with running_ledger(bulk_tools.registry, database_url, emulator) as ledger:
         session_id, keys = await unknown_calls(
@@ -269,6 +270,7 @@ async def test_bulk_resolve__a_run_slower_than_its_rate__stops_at_max_seconds__s
             first = await client.post("/api/bulk/resolve", params=selected, json=body, headers=FULL)
             took = time.monotonic() - started
             asked_by_the_answer = list(bulk_tools.ASKED)
+            first_started = list(bulk_tools.ASKED_AT)
             at_the_answer = await statuses(ledger, keys)
             await asyncio.sleep(3 * bulk_tools.SLOW_HOOK_SECONDS)
             a_while_later = await statuses(ledger, keys)
@@ -290,8 +292,11 @@ async def test_bulk_resolve__a_run_slower_than_its_rate__stops_at_max_seconds__s
     assert answer["counts"] == {"settled_by_verify_hook": answer["done"]}
     assert "send the same request again" in answer["how_to_continue"]
     assert f"{answer['left']} left" in answer["how_to_continue"]
-    assert answer["elapsed_seconds"] <= max_seconds + 0.5
-    assert took <= max_seconds + 1.0, "answered near the cap, not after every call (2.4 s and more)"
+    # By the clock, whatever the machine's speed: no call was started past the cap (one under
+    # way is finished, so the answer may come a call's run after it; on a loaded machine one
+    # run of the 0.3 s hook took 2.9 s, which a fixed margin on the answer's time missed).
+    assert all(at - started < max_seconds for at in first_started), [at - started for at in first_started]
+    assert answer["elapsed_seconds"] <= took
 
     # What the answer says is what the ledger holds, and nothing moved after it.
     resolved = {key.call_id for key, status in at_the_answer.items() if status is not CallStatus.UNKNOWN}

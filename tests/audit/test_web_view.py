@@ -363,8 +363,12 @@ async def test_web_view__deep_links_pages_outcomes_and_sessions(
     await page.get_by_test_id("apply").click()
     failed = await _wait_rows(page, lambda rows: rows and all(r["status"] == "submitted" for r in rows))
     outcomes = await page.eval_on_selector_all("#rows td.outcome", "cells => cells.map(c => c.textContent)")
-    assert len(failed) == 2 * len(ledger.session_ids)
-    assert set(outcomes) == {"failed: execution"}
+    # Every row a failure; the ledger's own (2 a session, in execution) all there. Other tests
+    # of this module may have added failures of their own to the shared ledger (a call
+    # resolved or denied as failed), so they are not counted out.
+    assert len(outcomes) == len(failed)
+    assert all(outcome.startswith("failed") for outcome in outcomes), outcomes
+    assert outcomes.count("failed: execution") == 2 * len(ledger.session_ids), outcomes
     await page.get_by_test_id("filter-outcome").select_option("")
 
     # Next and previous page (with auto-refresh off: another test's new calls would move

@@ -232,12 +232,12 @@ class Submitter:
             return Unlisted.RACED
         if not may_have_landed:
             # Read again before abandoning: another process (serve beside an operator's
-            # command, say) may have sent it meanwhile, and a call whose request went out is
-            # never told it was not answered.
+            # command, say) may have put it in a request and sent it since ``call`` was read,
+            # and a call whose request went out is never told it was not answered.
             current = await store.get(call.key)
             if current is None or current.status not in RESULT_STATUSES:
                 return Unlisted.RACED
-            may_have_landed = current.request_key is not None
+            may_have_landed = current.request_key not in (None, call.request_key)
             call = current
         if may_have_landed:
             # Were it wrong (a call the session lists again later), the call is answered
