@@ -164,6 +164,7 @@ def test_migrations__script_directory__has_exactly_one_head_reachable_from_base(
     steps = revisions_base_to_head(empty_url)
 
     assert script.get_heads() == [migrate.head_revision(empty_url)]
+    assert migrate.head_revision(empty_url) == migrate.HEAD, "migrate.HEAD names the newest revision"
     assert steps[0][1] is None
     assert steps[-1][0] == migrate.head_revision(empty_url)
     assert [down for _, down in steps[1:]] == [revision for revision, _ in steps[:-1]]

@@ -721,7 +721,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
         revision = await asyncio.to_thread(migrations.current_revision, url)
         report["database_reachable"] = True
         report["schema_revision"] = revision
-        report["schema_current"] = revision == migrations.head_revision(url)
+        report["schema_current"] = revision == migrations.HEAD
     except Exception as error:
         report["error"] = settings.redactor().text(
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -102,6 +102,8 @@ class Runtime:
         url = self.settings.database_url
         if self.is_sqlite if migrate is None else migrate:
             new_file = missing_sqlite_file(url)
+            if new_file is None and await asyncio.to_thread(migrations.is_current, url):
+                return  # the common case, answered without loading Alembic
             await asyncio.to_thread(migrations.upgrade, url)
             if new_file is not None:
                 # Said, so that a mistyped path is seen for the new, empty ledger it made.
