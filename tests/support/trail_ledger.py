@@ -129,7 +129,15 @@ def forge_after(conn: Connection, ledger: TrailLedger, predecessor: CallEvent, *
         **{name: getattr(forged, name) for name in ("at", "actor", "kind", "from_status", "to_status")},
         **{
             name: getattr(forged, name)
-            for name in ("lease_token", "reason", "detail", "prev_sha256", "sha256")
+            for name in (
+                "lease_token",
+                "reason",
+                "detail",
+                "prev_sha256",
+                "sha256",
+                "content_sha256",
+                "trail_mac",
+            )
         },
     }
     with triggers_off(conn):
