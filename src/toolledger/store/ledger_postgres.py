@@ -232,7 +232,8 @@ class PostgresLedger(LedgerStore):
 
     def _row_value(self, name: str, new: NewCall) -> str | None:
         if name == "e_detail":
-            return None if new.detail is None else storable_text(new.detail)
+            # Redacted as every audit line is (``_event_params``): its MAC is over what is stored.
+            return None if new.detail is None else storable_text(self._audit_text(new.detail))
         if name == "e_trail_mac":
             return self._record_mac(new)
         value = new.params[name]
