@@ -46,13 +46,19 @@ async def run(url: str, quick: bool, progress: Progress) -> list[Figure]:
 
         sources = tuple(sorted(s.value for s in SUBMIT.sources))
         statement = store._build_change(SUBMIT, sources)
+
+        def event(key: CallKey) -> dict[str, str | None]:
+            # As the store's own write passes them (its keyed MAC: None without a trail key).
+            mac = store._mac(key, SUBMIT.event, SUBMIT.target, REASON)
+            return {**key_params(key), **store._event_params(REASON), "e_trail_mac": mac}
+
         async with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
             started = time.perf_counter()
             for key in held:
-                (await conn.execute(statement, {**key_params(key), **store._event_params(REASON)})).first()
+                (await conn.execute(statement, event(key))).first()
             held_ms = (time.perf_counter() - started) / count * 1000
 
-        given = {**key_params(direct[0]), **store._event_params(REASON)}
+        given = event(direct[0])
         dialect = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
         expanded = statement.compile(dialect=dialect).construct_expanded_state(given)
         async with await psycopg.AsyncConnection.connect(libpq_url(url), autocommit=True) as raw:

@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS, Redactor
+from toolledger.domain.trail import MIN_KEY_BYTES, TrailKey
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///toolledger.sqlite3"
 SDK_VARIABLES: dict[str, tuple[str, ...]] = {
@@ -208,6 +209,26 @@ class Settings(BaseSettings):
         "alerts link to the call's page in its web view. Unset: alerts carry no link.",
     )
 
+    trail_key: SecretStr | None = Field(
+        default=None,
+        description="Key of the audit trail's keyed mode (at least 32 bytes, e.g. `openssl rand "
+        "-hex 32`): every event written carries an HMAC-SHA256 over its fields and the content it "
+        "wrote, which someone who can write the database cannot recompute; `calls verify-trail "
+        "--keyed` checks them (docs/audit-trail.md). Kept by every toolledger process that writes "
+        "or verifies, never in the database.",
+    )
+
+    @field_validator("trail_key")
+    @classmethod
+    def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is None or not key.get_secret_value():
+            return None
+        if len(key.get_secret_value().encode("utf-8")) < MIN_KEY_BYTES:
+            raise ValueError(
+                f"the trail key must be at least {MIN_KEY_BYTES} bytes (e.g. `openssl rand -hex 32`)"
+            )
+        return key
+
     @field_validator("alert_webhook_url", "public_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
@@ -253,20 +274,28 @@ class Settings(BaseSettings):
 
     def redactor(self) -> Redactor:
         """Redaction with the configured secret field names and the secrets toolledger holds
-        (API key, database password, audit API and metrics tokens, alert webhook secret)."""
+        (API key, database password, audit API and metrics tokens, alert webhook secret, trail
+        key)."""
         tokens = (
             *self.api_tokens.values(),
             *self.api_read_tokens.values(),
             *((self.metrics_token,) if self.metrics_token is not None else ()),
         )
         secrets = [token.get_secret_value() for token in tokens]
-        for secret in (self.openai_api_key, self.alert_webhook_secret):
+        for secret in (self.openai_api_key, self.alert_webhook_secret, self.trail_key):
             if secret is not None:
                 secrets.append(secret.get_secret_value())
         password = make_url(self.database_url).password
         if password:
             secrets.append(str(password))
         return Redactor(self.secret_fields, secrets)
+
+    @property
+    def trail_key_value(self) -> TrailKey | None:
+        """The trail's key (``trail_key``) as the stores take it; None when unset."""
+        if self.trail_key is None:
+            return None
+        return TrailKey(self.trail_key.get_secret_value().encode("utf-8"))
 
     @property
     def heartbeat_interval(self) -> float:

@@ -1,7 +1,8 @@
 """The audit trail over HTTP, on a real SQLite file and a real PostgreSQL database:
-``GET /api/trail`` verifies a call, a session or the whole ledger with a read token, and
-``GET /api/export`` streams the same bytes `toolledger calls export` writes (chain heads and
-the closing digest line)."""
+``GET /api/trail`` verifies a call, a session or the whole ledger with a read token (keyed
+too, with the server's trail key), a call's detail says whether its content is what its
+trail recorded, and ``GET /api/export`` streams the same bytes `toolledger calls export`
+writes (chain heads and the closing digest line)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from sqlalchemy import text
 
 from tests.support.api_server import READ, api_settings, serving
 from tests.support.calls_cli import cli
-from tests.support.trail_ledger import build_trail_ledger
+from tests.support.trail_ledger import build_trail_ledger, forge_content
 from toolledger.audit.api import create_app
+from toolledger.domain.trail import TrailKey
+
+TRAIL_KEY = "fedcba9876543210" * 4
 
 
 async def test_trail__a_call_a_session_or_every_call__each_broken_one_named(database_url: str) -> None:
@@ -98,3 +102,56 @@ async def test_export__streams_what_the_cli_writes__and_verifies_as_an_export(
     checked = await asyncio.to_thread(cli, database_url, "verify-trail", "--export", str(saved))
     assert checked.exit_code == 0, checked.output
     assert checked.stdout.startswith("export file whole: its 3 call(s) hash to its digest line")
+
+
+async def test_trail__content_changed_by_sql__named_by_the_trail_and_flagged_in_the_calls_detail(
+    database_url: str,
+) -> None:
+    ledger = await asyncio.to_thread(
+        build_trail_ledger, database_url, 3, trail_key=TrailKey(TRAIL_KEY.encode())
+    )
+    changed, rewritten, untouched = ledger.keys
+    last = ledger.events(changed)[-1]
+    with ledger.tampering() as sql:
+        sql.execute(
+            text("UPDATE tool_calls SET arguments = :forged WHERE call_id = :call"),
+            {"forged": '{"amount": 100000}', "call": changed.call_id},
+        )
+        forge_content(sql, ledger.events(rewritten), error_detail="nothing went wrong")
+
+    async with serving(create_app(api_settings(database_url, trail_key=TRAIL_KEY))) as client:
+        whole = await client.get("/api/trail", params={"all": "true"}, headers=READ)
+        keyed = await client.get("/api/trail", params={"all": "true", "keyed": "true"}, headers=READ)
+        detail = await client.get(f"/api/calls/{changed.idempotency_key}", headers=READ)
+        forged = await client.get(f"/api/calls/{rewritten.idempotency_key}", headers=READ)
+        fine = await client.get(f"/api/calls/{untouched.idempotency_key}", headers=READ)
+    async with serving(create_app(api_settings(database_url))) as client:
+        keyless = await client.get("/api/trail", params={"all": "true", "keyed": "true"}, headers=READ)
+
+    assert whole.status_code == 200, whole.text
+    assert {(b["call_id"], b["kind"], b["event_id"]) for b in whole.json()["breaks"]} == {
+        (changed.call_id, "content", last.id)
+    }
+    assert {(b["call_id"], b["kind"]) for b in keyed.json()["breaks"]} == {
+        (changed.call_id, "content"),
+        (rewritten.call_id, "forged"),
+    }
+    assert keyed.json()["keyed"] is True
+    trail = detail.json()["trail"]
+    assert (trail["intact"], trail["kind"], trail["event_id"]) == (False, "content", last.id)
+    assert "was changed outside toolledger after event" in trail["message"]
+    assert detail.json()["call"]["arguments"] == {"amount": 100000}
+    assert (forged.json()["trail"]["intact"], forged.json()["trail"]["keyed"]) == (True, False)
+    assert "error_detail (which it wrote)" in forged.json()["trail"]["keyed_message"]
+    assert fine.json()["trail"] == {
+        "intact": True,
+        "content_covered": True,
+        "kind": None,
+        "event_id": None,
+        "message": None,
+        "keyed": True,
+        "keyed_message": None,
+    }
+    assert all(event["content_sha256"] and event["trail_mac"] for event in fine.json()["timeline"])
+    assert keyless.status_code == 400
+    assert "TOOLLEDGER_TRAIL_KEY" in keyless.json()["detail"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from tests.audit import bulk_tools
 from tests.audit.test_bulk_resolve import unknown_calls
@@ -29,6 +30,7 @@ from tests.support.paths import ROOT
 from tests.support.polling import eventually
 from tests.support.shop_tools import CANARY
 from tests.support.shop_tools import registry as shop_tools
+from tests.support.trail_ledger import build_trail_ledger
 from toolledger.domain.alerts import call_page_url
 from toolledger.domain.keys import CallKey, arguments_fingerprint
 from toolledger.domain.results import DENIED_PREFIX
@@ -711,3 +713,43 @@ async def test_web_view__resolves_all_matching_unknown_calls__dry_run_first_then
     assert all(payload["error"] == not_charged for payload in received.values())
     assert emulator_server.control.tool_results(other_session) == []
     assert ship.session_id == other_session
+
+
+# ------------------------------------------------------ issue 31: content off its trail
+
+
+async def test_web_view__a_call_whose_content_was_changed_by_sql__says_so_above_its_fields(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite3'}"
+    migrate.upgrade(url)
+    trail = await asyncio.to_thread(build_trail_ledger, url, 2)
+    forged, untouched = trail.keys
+    with trail.tampering() as sql:
+        sql.execute(
+            text("UPDATE tool_calls SET result = :forged WHERE call_id = :call"),
+            {
+                "forged": '{"type": "function_call_output", "output": "refund approved"}',
+                "call": forged.call_id,
+            },
+        )
+    env = {
+        **os.environ,
+        "TOOLLEDGER_DATABASE_URL": url,
+        "TOOLLEDGER_API_READ_TOKENS": f'{{"auditor": "{READER}"}}',
+    }
+    env.pop("TOOLLEDGER_API_TOKENS", None)
+    with api_process(env, tmp_path / "api.log") as api:
+        async with browser_page(api) as page:
+            await _use_token(page, READER)
+            await page.goto(call_page_url(api, forged.idempotency_key))
+            banner = page.get_by_test_id("detail-trail")
+            await playwright_api.expect(banner).to_be_visible()
+            await playwright_api.expect(banner).to_contain_text("Trail BROKEN: the call's stored content (")
+            await playwright_api.expect(banner).to_contain_text("NOT what the call's trail recorded")
+            await _no_horizontal_overflow(page)
+            await page.goto(call_page_url(api, untouched.idempotency_key))
+            await playwright_api.expect(page.get_by_test_id("detail-id")).to_have_text(
+                untouched.idempotency_key
+            )
+            await playwright_api.expect(banner).to_be_hidden()

@@ -257,7 +257,7 @@ def test_export__jsonl_and_csv_round_trip(ledger: Ledger, tmp_path: Path) -> Non
     assert json.loads(digest_line) == {
         "export_sha256": hashlib.sha256("".join(lines).encode()).hexdigest(),
         "calls": len(rows),
-        "trail_format": "toolledger-trail-v1",
+        "trail_format": "toolledger-trail-v2",
     }
 
     target = tmp_path / "calls.csv"

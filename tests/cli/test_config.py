@@ -55,10 +55,16 @@ def test_config_json__shows_values_and_their_source_and_masks_every_secret() -> 
         "TOOLLEDGER_OPENAI_API_KEY": "sk-config-canary-0001",
         "TOOLLEDGER_API_TOKENS": json.dumps({"alice": "config-canary-token-0002"}),
         "TOOLLEDGER_DATABASE_URL": "postgresql://app:config-canary-pw-0003@db.example/ledger",
+        "TOOLLEDGER_TRAIL_KEY": "config-canary-trail-key-0005-0123456789",
     }
     shown = _config("--json", TOOLLEDGER_LEASE_SECONDS="12.5", **secrets)
     assert shown.returncode == 0, shown.stderr
-    for canary in ("sk-config-canary-0001", "config-canary-token-0002", "config-canary-pw-0003"):
+    for canary in (
+        "sk-config-canary-0001",
+        "config-canary-token-0002",
+        "config-canary-pw-0003",
+        "trail-key-0005",
+    ):
         assert canary not in shown.stdout
     rows = {row["name"]: row for row in json.loads(shown.stdout)}
     assert rows["lease_seconds"] == {
@@ -70,6 +76,9 @@ def test_config_json__shows_values_and_their_source_and_masks_every_secret() -> 
     assert rows["max_attempts"]["source"] == "default"
     assert rows["api_tokens"]["value"] == {"alice": "[REDACTED]"}
     assert rows["database_url"]["value"] == "postgresql+psycopg://app:[REDACTED]@db.example/ledger"
+    assert rows["trail_key"]["value"] == "[REDACTED]"
+    redactor = Settings(trail_key=secrets["TOOLLEDGER_TRAIL_KEY"]).redactor()
+    assert "trail-key-0005" not in redactor.text(f"a log line quoting {secrets['TOOLLEDGER_TRAIL_KEY']}")
 
     table = _config(**secrets)
     assert table.returncode == 0, table.stderr
@@ -78,9 +87,15 @@ def test_config_json__shows_values_and_their_source_and_masks_every_secret() -> 
 
 
 def test_config__bad_values__exit_2_naming_the_variable_without_echoing_the_value() -> None:
-    refused = _config(TOOLLEDGER_LEASE_SECONDS="-1", TOOLLEDGER_API_TOKENS='{"alice": 7}')
+    refused = _config(
+        TOOLLEDGER_LEASE_SECONDS="-1",
+        TOOLLEDGER_API_TOKENS='{"alice": 7}',
+        TOOLLEDGER_TRAIL_KEY="short-canary",
+    )
     assert refused.returncode == 2
     assert "TOOLLEDGER_LEASE_SECONDS: Input should be greater than 0" in refused.stderr
+    assert "TOOLLEDGER_TRAIL_KEY: the trail key must be at least 32 bytes" in refused.stderr
+    assert "short-canary" not in refused.stderr
     assert "TOOLLEDGER_API_TOKENS (alice): Input should be a valid string" in refused.stderr
     assert "-1" not in refused.stderr
 

@@ -1,8 +1,10 @@
 """`toolledger calls verify-trail` against tampering by direct SQL, on a real SQLite file and a
 real PostgreSQL database: an edited reason, a deleted event, a forged event, two events
-swapped and the last one deleted are each named where they happened (exit 1); untouched
-calls verify (exit 0). An export anchors the trail: a rewrite that recomputes every hash
-passes the chain but not the export; pruning deletes whole calls and breaks nothing.
+swapped and the last one deleted are each named where they happened (exit 1); so is a call
+whose stored result, arguments, approved arguments or error detail were changed after its last
+event (and `calls show` says so); untouched calls verify (exit 0). An export anchors the trail:
+a rewrite that recomputes every hash passes the chain but not the export; keyed, it passes
+neither the chain nor the keys; pruning deletes whole calls and breaks nothing.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 from sqlalchemy import text
 
 from tests.support.calls_cli import cli
-from tests.support.trail_ledger import build_trail_ledger, forge_after, rehash_from
+from tests.support.trail_ledger import build_trail_ledger, forge_after, forge_content, rehash_from
+from toolledger.domain.trail import TrailKey
 from toolledger.store.audit import AuditStore
 from toolledger.store.engine import create_engine
 
 
-def verified(url: str, *args: str) -> tuple[int, dict[str, Any]]:
-    result = cli(url, "verify-trail", *args, "--json")
+def verified(url: str, *args: str, env: dict[str, str | None] | None = None) -> tuple[int, dict[str, Any]]:
+    result = cli(url, "verify-trail", *args, "--json", env=env)
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -88,6 +91,8 @@ def test_verify_trail__each_kind_of_tampering__is_named_at_its_event_and_exits_1
             "broken": 0,
             "breaks": [],
             "breaks_not_listed": 0,
+            "keyed": False,
+            "content_not_covered": 0,
         },
     )
     code, one = verified(database_url, ledger.keys[0].idempotency_key[:16])
@@ -200,3 +205,130 @@ def test_prune__deletes_whole_calls__every_other_trail_still_verifies(
     assert (anchored["intact"], anchored["calls"]) == (True, 1)
     printed = cli(database_url, "verify-trail", "--export", str(export))
     assert "3 call(s) of the export are no longer in the ledger (pruned since, or deleted)" in printed.stdout
+
+
+FORGED_CONTENT = {
+    "result": '{"type": "function_call_output", "output": "refund approved"}',
+    "arguments": '{"amount": 100000}',
+    "approved_arguments": '{"amount": 100000}',
+    "error_detail": "nothing went wrong",
+}
+"""What someone with SQL access changes in a call's row, one column per call."""
+
+CONTENT_COVERED = (
+    "tool_name, effect_class, arguments, arguments_sha256, approved_arguments, "
+    "approved_arguments_sha256, result, error_stage, error_detail"
+)
+
+
+def test_verify_trail__a_calls_content_changed_by_sql__is_named_single_all_and_export__show_flags_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    ledger = build_trail_ledger(database_url, calls=5)
+    export = tmp_path / "calls.jsonl"
+    assert cli(database_url, "export", "--output", str(export)).exit_code == 0
+    assert verified(database_url, "--all")[0] == 0
+    forged = dict(zip(ledger.keys, FORGED_CONTENT.items(), strict=False))
+    last = {key: ledger.events(key)[-1] for key in forged}
+    with ledger.tampering() as sql:
+        for key, (column, value) in forged.items():
+            sql.execute(
+                text(f"UPDATE tool_calls SET {column} = :value WHERE call_id = :call"),  # noqa: S608
+                {"value": value, "call": key.call_id},
+            )
+
+    code, report = verified(database_url, "--all")
+
+    assert (code, report["intact"], report["calls"], report["broken"]) == (1, False, 6, 4)
+    assert {(b["call_id"], b["kind"], b["event_id"]) for b in report["breaks"]} == {
+        (key.call_id, "content", last[key].id) for key in forged
+    }
+    for listed in report["breaks"]:
+        assert listed["message"].startswith(
+            f"the call's stored content ({CONTENT_COVERED}) was changed outside toolledger after event "
+            f"{listed['event_id']} (confirmed submitted -> submitted at "
+        )
+    result_forged = ledger.keys[0]
+    code, one = verified(database_url, str(result_forged))
+    assert (code, one["broken"], one["breaks"][0]["kind"]) == (1, 1, "content")
+    assert verified(database_url, str(ledger.keys[4]))[0] == 0
+    code, anchored = verified(database_url, "--export", str(export))
+    assert (code, anchored["file_whole"], anchored["broken"]) == (1, True, 4)
+    assert {b["kind"] for b in anchored["breaks"]} == {"content"}
+    printed = cli(database_url, "verify-trail", "--all")
+    assert (
+        printed.stdout.splitlines()[-1]
+        == "trail BROKEN: 4 of 6 call(s), 24 event(s) recomputed (the whole ledger)"
+    )
+
+    shown = cli(database_url, "show", str(result_forged))
+    (trail_line,) = [
+        line
+        for line in shown.stdout.splitlines()
+        if line.startswith("trail ") and not line.startswith("trail head")
+    ]
+    assert f"BROKEN (content): the call's stored content ({CONTENT_COVERED}) was changed" in trail_line
+    assert "What is shown below is NOT what the call's trail recorded" in trail_line
+    detail = json.loads(cli(database_url, "show", str(result_forged), "--json").stdout)
+    assert detail["call"]["result"] == {"type": "function_call_output", "output": "refund approved"}
+    assert (detail["trail"]["intact"], detail["trail"]["kind"], detail["trail"]["event_id"]) == (
+        False,
+        "content",
+        last[result_forged].id,
+    )
+    untouched = json.loads(cli(database_url, "show", str(ledger.keys[4]), "--json").stdout)
+    assert (untouched["trail"]["intact"], untouched["trail"]["content_covered"]) == (True, True)
+    assert untouched["trail"]["keyed"] is None
+    (fine,) = [
+        line
+        for line in cli(database_url, "show", str(ledger.keys[4])).stdout.splitlines()
+        if line.startswith("trail ") and not line.startswith("trail head")
+    ]
+    assert f"intact; the content shown is what event {ledger.events(ledger.keys[4])[-1].id} recorded" in fine
+
+
+TRAIL_KEY = "0123456789abcdef" * 4
+KEYED: dict[str, str | None] = {"TOOLLEDGER_TRAIL_KEY": TRAIL_KEY}
+
+
+def test_verify_trail_keyed__forged_content_or_events_with_the_chain_recomputed__pass_unkeyed_fail_keyed(
+    database_url: str,
+) -> None:
+    ledger = build_trail_ledger(database_url, calls=5, trail_key=TrailKey(TRAIL_KEY.encode()))
+    content, edited, appended, stripped, untouched = ledger.keys
+    trails = {key: ledger.events(key) for key in ledger.keys}
+    code, before = verified(database_url, "--all", "--keyed", env=KEYED)
+    assert (code, before["intact"], before["keyed"], before["calls"]) == (0, True, True, 6)
+
+    with ledger.tampering() as sql:
+        forge_content(sql, trails[content], result='{"type": "function_call_output", "output": "refunded"}')
+        rehash_from(sql, trails[edited], 2, reason="accepted by hand")
+        forged = forge_after(
+            sql, ledger, trails[appended][-1], kind="flag", to_status=None, reason="all fine"
+        )
+        rehash_from(sql, trails[stripped], 1, trail_mac=None)
+
+    code, unkeyed = verified(database_url, "--all")
+    assert (code, unkeyed["intact"]) == (0, True), "every unkeyed hash and digest was recomputed"
+    code, keyed = verified(database_url, "--all", "--keyed", env=KEYED)
+    assert (code, keyed["intact"], keyed["broken"]) == (1, False, 4)
+    assert {(b["call_id"], b["kind"], b["event_id"]) for b in keyed["breaks"]} == {
+        (content.call_id, "forged", trails[content][1].id),
+        (edited.call_id, "forged", trails[edited][2].id),
+        (appended.call_id, "forged", forged.id),
+        (stripped.call_id, "unkeyed", trails[stripped][1].id),
+    }
+    (named,) = [b["message"] for b in keyed["breaks"] if b["call_id"] == content.call_id]
+    assert "or the call's stored result, error_stage, error_detail (which it wrote)" in named
+    assert verified(database_url, str(untouched), "--keyed", env=KEYED)[0] == 0
+
+    shown = json.loads(cli(database_url, "show", str(content), "--json", env=KEYED).stdout)
+    assert (shown["trail"]["intact"], shown["trail"]["keyed"]) == (True, False)
+    other_key: dict[str, str | None] = {"TOOLLEDGER_TRAIL_KEY": "f" * 64}
+    assert verified(database_url, str(untouched), "--keyed", env=other_key)[0] == 1
+    no_key = cli(database_url, "verify-trail", "--all", "--keyed")
+    assert no_key.exit_code == 2
+    assert "keyed verification needs the trail's key: set TOOLLEDGER_TRAIL_KEY" in no_key.stderr
+    short = cli(database_url, "verify-trail", "--all", "--keyed", env={"TOOLLEDGER_TRAIL_KEY": "short"})
+    assert short.exit_code != 0
+    assert "short" not in short.output

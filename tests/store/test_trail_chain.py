@@ -1,8 +1,10 @@
 """The audit trail's hash chain as the databases write it, on a real SQLite file and a real
 PostgreSQL database: every path that inserts an event (one-statement CTEs, batched array
-statements, SQLite transactions, flags, operators' writes) leaves each call one intact chain;
-writers racing on one call never fork it; the SQL hashes exactly the text ``domain.trail``
-defines; migration 0008 chains a ledger written before it.
+statements, SQLite transactions, flags, operators' writes, alert deliveries) leaves each call
+one intact chain, each event carrying the digest of its call's content right after its write
+(and, with the trail's key, its keyed MAC); writers racing on one call never fork it nor chain
+a stale digest; the SQL hashes exactly the texts ``domain.trail`` defines; migration 0008
+chains a ledger written before it, and 0011 keeps it verifying, both ways.
 """
 
 from __future__ import annotations
@@ -13,26 +15,34 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy import MetaData, Table, literal, pool, select, text
 from sqlalchemy import create_engine as create_sync_engine
-from sqlalchemy import pool, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.databases import NewDatabase, with_later_columns, without_later_columns
-from toolledger.domain.keys import CallKey
+from toolledger.domain.keys import CallKey, arguments_fingerprint
+from toolledger.domain.records import CallEvent
+from toolledger.domain.redaction import Redactor
 from toolledger.domain.results import FailureStage, failed, succeeded
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.domain.trail import (
+    CONTENT_FIELDS,
     FIELDS,
+    FIELDS_V2,
     GENESIS_SHA256,
+    TrailKey,
     TrailScope,
     check_trail,
+    content_sha256,
     event_sha256,
     event_text,
 )
 from toolledger.store import migrate
-from toolledger.store.chain import PG_TEXT_FUNCTION, SQLITE_FUNCTION
+from toolledger.store.alerts import AlertNote, AlertStore
+from toolledger.store.chain import PG_TEXT_FUNCTION, PG_TEXT_FUNCTION_V2, SQLITE_FUNCTION, content_sha256_sql
 from toolledger.store.engine import create_engine, sync_url, write_transaction
 from toolledger.store.ledger import LedgerStore
+from toolledger.store.rows import call_event
 from toolledger.store.schema import metadata
 from toolledger.store.trail import CallTrail, TrailStore
 
@@ -63,7 +73,7 @@ async def all_trails(engine: AsyncEngine, scope: TrailScope | None = None) -> li
 def assert_intact(trails: list[CallTrail]) -> None:
     assert trails
     for trail in trails:
-        assert check_trail(trail.events, trail.status) is None, trail.key
+        assert check_trail(trail.events, trail.status, trail.content) is None, trail.key
         ids = [event.id for event in trail.events]
         assert ids == sorted(set(ids)), "a call's events in id order are its chain's order"
         links = [event.prev_sha256 for event in trail.events]
@@ -128,9 +138,133 @@ async def test_every_kind_of_write__leaves_each_call_one_intact_chain(engine: As
     trails = await all_trails(engine, TrailScope(session_id=session))
     assert len(trails) == 9
     assert_intact(trails)
+    assert all(event.content_sha256 is not None for trail in trails for event in trail.events)
     # 6 lives of 3 events, a resubmission, a failed submission, 4 confirmations; 4 for the
     # call alone; 2 expiries of 2, a settlement, a re-opening, its claim and its result.
     assert sum(len(trail.events) for trail in trails) == 18 + 1 + 1 + 4 + 4 + 4 + 4
+
+
+TRAIL_KEY = TrailKey(b"test-trail-key-" + b"k" * 32)
+
+
+async def held(engine: AsyncEngine, key: CallKey, events: int) -> None:
+    """The call's trail verifies keyed, ``events`` long, its last event carrying the digest of
+    the content as it is now: the write just made computed it from the row it changed."""
+    (trail,) = await TrailStore(engine).trails_of([key])
+    assert len(trail.events) == events, [e.kind for e in trail.events]
+    assert trail.events[-1].content_sha256 == content_sha256(trail.content)
+    assert trail.events[-1].trail_mac is not None
+    assert check_trail(trail.events, trail.status, trail.content, key=TRAIL_KEY) is None
+
+
+async def test_a_normal_life_of_every_kind__each_event_holds_the_content_after_its_write__keyed(
+    engine: AsyncEngine,
+) -> None:
+    """Record (batched and alone), claim, complete (batched and alone), submit (alone and
+    many), confirm (alone and many), a request, a flag, approval (amended), denial, expiry,
+    settlement, re-opening, a redelivery with other arguments, a failed submission, a
+    resubmission, an abandonment and an alert delivery: after each, the call's last event
+    carries the digest of its content as it is, and every MAC matches."""
+    store = LedgerStore(engine, actor="worker-1", trail_key=TRAIL_KEY)
+    alone = LedgerStore(engine, actor="operator:ann", batching=False, trail_key=TRAIL_KEY)
+    session = f"sess_{uuid.uuid4().hex[:6]}"
+
+    batch = [new_key(session) for _ in range(4)]
+    tokens = await asyncio.gather(*(record(store, key) for key in batch))
+    for key in batch:
+        await held(engine, key, 1)
+    await asyncio.gather(
+        *(
+            store.complete(
+                key, token, succeeded(key, "ok") if n else failed(key, "no", FailureStage.EXECUTION)
+            )
+            for n, (key, token) in enumerate(zip(batch, tokens, strict=True))
+        )
+    )
+    for key in batch:
+        await held(engine, key, 2)
+    assert await store.record_request(batch[:2], "req_1", reason="to be sent together") is not None
+    await store.mark_submitted(batch[0])
+    assert await store.mark_submitted_many(batch[1:3]) == set(batch[1:3])
+    await held(engine, batch[0], 4)
+    await held(engine, batch[2], 3)
+    await store.note_resubmission(batch[0])
+    await store.record_submission_failure(batch[1], "502 Bad Gateway")
+    assert await store.mark_confirmed(batch[2])
+    assert await store.mark_confirmed_many(batch[:2]) == set(batch[:2])
+    await held(engine, batch[0], 6)
+    await held(engine, batch[1], 6)
+    await held(engine, batch[2], 4)
+    await store.flag(batch[3], "note", "looked at", detail="multi\nline é 😀")
+    await store.abandon(batch[3], "the session ended")
+    await held(engine, batch[3], 4)
+
+    # A gated tool: approved with amended arguments, claimed and run; another denied.
+    gated, denied = new_key(session), new_key(session)
+    for key in (gated, denied):
+        await alone.record_for_approval(
+            key,
+            tool_name="refund",
+            arguments={"cents": 500},
+            effect_class=EffectClass.AT_MOST_ONCE,
+            approval_seconds=None,
+        )
+        await held(engine, key, 1)
+    amended = '{"cents":50}'
+    approved = await alone.approve(
+        gated,
+        decided_by="ann",
+        reason="a smaller refund",
+        amended_arguments=amended,
+        amended_sha256=arguments_fingerprint(amended),
+    )
+    assert approved is not None
+    await held(engine, gated, 2)
+    claimed = await store.claim(
+        gated, from_statuses=[CallStatus.PENDING], lease_seconds=LEASE, reason="approved"
+    )
+    assert claimed is not None
+    await held(engine, gated, 3)
+    await alone.complete(gated, claimed.lease_token, succeeded(gated, "refunded 50"))
+    await held(engine, gated, 4)
+    outcome = failed(denied, "Not approved: too much", FailureStage.APPROVAL)
+    assert await alone.deny(denied, outcome, decided_by="bob", reason="too much") is not None
+    await held(engine, denied, 2)
+
+    # A redelivery with other arguments; a lease that runs out, settled; another re-opened.
+    lapsed, reopened = new_key(session), new_key(session)
+    await record(alone, lapsed, lease=0.01)
+    await alone.record(
+        lapsed,
+        tool_name="charge_card",
+        arguments={"amount": 2},
+        effect_class=EffectClass.AT_MOST_ONCE,
+        lease_seconds=1,
+    )
+    await held(engine, lapsed, 2)
+    await record(alone, reopened, lease=0.01)
+    await asyncio.sleep(0.05)
+    assert {call.key for call in await alone.expire_leases()} >= {lapsed, reopened}
+    await held(engine, lapsed, 3)
+    assert await alone.settle(lapsed, succeeded(lapsed, "done by hand"), reason="checked") is not None
+    await held(engine, lapsed, 4)
+    assert await alone.reopen(reopened, reason="safe to run") is not None
+    await held(engine, reopened, 3)
+
+    # An alert delivered: a note in the call's timeline, written by the alert sender.
+    alerts = AlertStore(
+        engine, destination="webhook", actor="alerts:test", redactor=Redactor(), trail_key=TRAIL_KEY
+    )
+    await alerts.ensure_cursor()
+    lease = await alerts.take_lease("replica-a", 30.0)
+    assert lease is not None
+    note = AlertNote(reopened, "alert_sent", "unknown alert delivered", "alert tla_x of event 1")
+    assert await alerts.record("replica-a", lease.token, note)
+    await held(engine, reopened, 4)
+
+    trails = await all_trails(engine, TrailScope(session_id=session))
+    assert len(trails) == 8
+    assert_intact(trails)
 
 
 async def test_writers_racing_on_one_call__chain_its_events_one_after_another(database_url: str) -> None:
@@ -155,6 +289,13 @@ async def test_writers_racing_on_one_call__chain_its_events_one_after_another(da
         (trail,) = await all_trails(engines[0], TrailScope(key=key))
         assert len(trail.events) == 1 + 24 + 8 + 1 + 1 + 8
         assert_intact([trail])
+        # Each event carries the content as it was after its own write: the one before the
+        # result up to the completion, the one with it from there on (a flag that read the row
+        # before the completion committed, but was chained after it, would carry the old one).
+        digests = [event.content_sha256 for event in trail.events]
+        completed = next(n for n, event in enumerate(trail.events) if event.to_status == "succeeded")
+        assert len(set(digests[:completed])) == 1
+        assert set(digests[completed:]) == {content_sha256(trail.content)} != set(digests[:completed])
     finally:
         for engine in engines:
             await engine.dispose()
@@ -232,6 +373,68 @@ async def test_the_database_spells_an_event_as_domain_trail_does__byte_for_byte(
                     await conn.execute(text(f"SELECT {SQLITE_FUNCTION}({arguments})"), stored)
                 ).scalar_one()
                 assert hashed == event_sha256(values)
+
+
+V2_EXTRAS: list[dict[str, Any]] = [
+    {"content_sha256": "c" * 64, "trail_mac": None},
+    {"content_sha256": None, "trail_mac": "request,outcome:" + "d" * 64},
+    {"content_sha256": "-", "trail_mac": ""},
+]
+"""What a version 2 event adds, one per ``AWKWARD`` event."""
+
+AWKWARD_CONTENT: list[dict[str, str | None]] = [
+    {
+        "tool_name": "charge_card",
+        "effect_class": "at_most_once",
+        "arguments": '{"amount":1}',
+        "arguments_sha256": "a" * 64,
+        "approved_arguments": None,
+        "approved_arguments_sha256": None,
+        "result": None,
+        "error_stage": None,
+        "error_detail": None,
+    },
+    {
+        "tool_name": "-",
+        "effect_class": "",
+        "arguments": '{"note":"line one\nline two é 😀 \\u0000"}',
+        "arguments_sha256": "b" * 64,
+        "approved_arguments": "ΣΑΣ ς İ \U0010fffd",
+        "approved_arguments_sha256": "",
+        "result": '{"type":"tool_result","output":"tool_name 3:abc\n"}',
+        "error_stage": "execution",
+        "error_detail": "Traceback\r\n\tline",
+    },
+]
+
+
+async def test_the_database_spells_a_v2_event_and_a_calls_content_as_domain_trail_does(
+    engine: AsyncEngine,
+) -> None:
+    dialect = engine.dialect.name
+    async with engine.connect() as conn:
+        if dialect == "postgresql":
+            await conn.execute(text("SET TIME ZONE 'Pacific/Chatham'"))
+        for base, extra in zip(AWKWARD, V2_EXTRAS, strict=True):
+            values = {**base, **extra}
+            if dialect == "postgresql":
+                types = {"at": "timestamptz", "lease_token": "bigint"}
+                arguments = ", ".join(f"CAST(:{name} AS {types.get(name, 'text')})" for name in FIELDS_V2)
+                spelled = (
+                    await conn.execute(text(f"SELECT {PG_TEXT_FUNCTION_V2}({arguments})"), values)
+                ).scalar_one()
+                assert spelled.encode("utf-8") == event_text(values).encode("utf-8")
+            else:
+                arguments = ", ".join(f":{name}" for name in FIELDS_V2)
+                stored = {**values, "at": values["at"].strftime("%Y-%m-%d %H:%M:%S.%f")}
+                hashed = (
+                    await conn.execute(text(f"SELECT {SQLITE_FUNCTION}({arguments})"), stored)
+                ).scalar_one()
+                assert hashed == event_sha256(values)
+        for content in AWKWARD_CONTENT:
+            row = select(*(literal(content[name]).label(name) for name in CONTENT_FIELDS)).subquery()
+            digest = (await conn.execute(select(content_sha256_sql(dialect, row.c)))).scalar_one()
+            assert digest == content_sha256(content)
 
 
 async def test_stored_hashes__recomputed_from_the_rows_read_back__match(engine: AsyncEngine) -> None:
@@ -375,3 +578,90 @@ def test_migrations__build_the_same_trigger_and_functions_as_the_schema(new_data
     assert "tool_call_events_trail" in built
     if "postgresql" in migrated:
         assert {"toolledger_chain_event", "toolledger_trail_text"} <= set(built)
+
+
+# --------------------------------------------------------------------------- migration 0011
+
+
+BEFORE_CONTENT = "0010"
+"""The revision before content digests (0011)."""
+
+
+def events_as_stored(url: str) -> dict[CallKey, tuple[str, list[CallEvent]]]:
+    """Each call's status and events read by plain SQL, whatever columns the revision has."""
+    engine = create_sync_engine(sync_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            statuses = {
+                CallKey(*row[:3]): row[3]
+                for row in conn.execute(text("SELECT session_id, turn_id, call_id, status FROM tool_calls"))
+            }
+            trails: dict[CallKey, tuple[str, list[CallEvent]]] = {key: (s, []) for key, s in statuses.items()}
+            # Reflected: its columns as this revision has them, moments read back as moments.
+            events = Table("tool_call_events", MetaData(), autoload_with=conn)
+            for row in conn.execute(select(events).order_by(events.c.id)):
+                trails[CallKey(row.session_id, row.turn_id, row.call_id)][1].append(call_event(row))
+            return trails
+    finally:
+        engine.dispose()
+
+
+async def test_upgrade_to_0011__old_events_keep_their_hashes__new_ones_hold_the_content__and_back(
+    new_database: NewDatabase,
+) -> None:
+    url = new_database()
+    migrate.upgrade(url, BEFORE_CONTENT)
+    with_later_columns(url)
+    keys = await write_lives_before_the_trail(url)
+    without_later_columns(url)
+    before = events_as_stored(url)
+
+    migrate.upgrade(url)
+
+    engine = create_engine(url)
+    try:
+        trails = await all_trails(engine)
+        assert_intact(trails)
+        assert all(event.content_sha256 is None for trail in trails for event in trail.events)
+        assert {t.key: [e.sha256 for e in t.events] for t in trails} == {
+            key: [e.sha256 for e in events] for key, (_, events) in before.items()
+        }, "the events already stored keep their hashes"
+        store = LedgerStore(engine, actor="new-release", trail_key=TRAIL_KEY)
+        await store.flag(keys[0], "note", "after the upgrade")
+        await store.mark_submitted(keys[4])
+        trails = await all_trails(engine)
+        assert_intact(trails)
+        covered = {t.key for t in trails if t.events[-1].content_sha256 is not None}
+        assert covered == {keys[0], keys[4]}
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE tool_calls SET result = 'forged' WHERE call_id IN (:a, :b)"),
+                {"a": keys[0].call_id, "b": keys[1].call_id},
+            )
+        found = {t.key: check_trail(t.events, t.status, t.content) for t in await all_trails(engine)}
+        forged = found[keys[0]]
+        assert forged is not None
+        assert forged.kind.value == "content"
+        assert found[keys[1]] is None, "an old call's content is held to nothing"
+    finally:
+        await engine.dispose()
+
+    migrate.downgrade(url, BEFORE_CONTENT)
+
+    after = events_as_stored(url)
+    assert all(
+        event.content_sha256 is None and event.trail_mac is None for _, es in after.values() for event in es
+    )
+    for status, events in after.values():
+        assert check_trail(events, status) is None, "re-chained as version 1: the release before verifies it"
+    assert [e.sha256 for e in after[keys[2]][1]] == [e.sha256 for e in before[keys[2]][1]], "untouched"
+    reference = new_database()
+    migrate.upgrade(reference, BEFORE_CONTENT)
+    assert trail_objects(url) == trail_objects(reference), "0008's trigger and functions are back"
+
+    migrate.upgrade(url)
+    engine = create_engine(url)
+    try:
+        assert_intact(await all_trails(engine))
+    finally:
+        await engine.dispose()

@@ -120,19 +120,34 @@ def require_postgres(url: str) -> None:
     pytest.skip(message)
 
 
-LATER_COLUMNS = ("ALTER TABLE tool_calls ADD COLUMN request_key VARCHAR(64)",)
+LATER_COLUMNS = (
+    ("0009", "tool_calls", "request_key", "VARCHAR(64)"),
+    ("0011", "tool_call_events", "content_sha256", "VARCHAR(64)"),
+    ("0011", "tool_call_events", "trail_mac", "VARCHAR(100)"),
+)
 """The columns that revisions after 0008 add and today's store writes (every statement of it
-returns whole rows): 0009's ``request_key``. A ledger at an older revision that today's store
+returns whole rows, and names every column of an event it inserts): 0009's ``request_key``,
+0011's ``content_sha256`` and ``trail_mac``. A ledger at an older revision that today's store
 must write to (to stand for the running release, as a migration test does) gets them by hand
-first, and loses them again before it is migrated on (``without_later_columns``)."""
+first (those of revisions after the one it is at), and loses them again before it is migrated
+on (``without_later_columns``): the events
+written meanwhile then carry no content digest, as the release before 0011 wrote them (its
+trigger hashed them without one)."""
 
 
 def with_later_columns(url: str) -> None:
-    _alter(url, LATER_COLUMNS)
+    _alter(
+        url, tuple(f"ALTER TABLE {table} ADD COLUMN {column} {kind}" for table, column, kind in _later(url))
+    )
 
 
 def without_later_columns(url: str) -> None:
-    _alter(url, tuple(f"ALTER TABLE tool_calls DROP COLUMN {c.split()[5]}" for c in LATER_COLUMNS))
+    _alter(url, tuple(f"ALTER TABLE {table} DROP COLUMN {column}" for table, column, _ in _later(url)))
+
+
+def _later(url: str) -> list[tuple[str, str, str]]:
+    at = migrate.current_revision(url) or "0000"
+    return [(table, column, kind) for revision, table, column, kind in LATER_COLUMNS if revision > at]
 
 
 def _alter(url: str, statements: tuple[str, ...]) -> None:

@@ -20,12 +20,12 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallEvent
 from toolledger.domain.results import succeeded
 from toolledger.domain.states import EffectClass
-from toolledger.domain.trail import event_sha256, event_values
+from toolledger.domain.trail import TrailKey, content_of, content_sha256, event_sha256, event_values
 from toolledger.store.chain import SQLITE_DROP_SQL, SQLITE_TRIGGER_SQL
 from toolledger.store.engine import create_engine, sync_url
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.rows import call_event, call_events_query
-from toolledger.store.schema import tool_call_events
+from toolledger.store.rows import call_event, call_events_query, call_record
+from toolledger.store.schema import tool_call_events, tool_calls
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,15 @@ class TrailLedger:
             engine.dispose()
 
 
-def build_trail_ledger(url: str, calls: int = 6) -> TrailLedger:
+def build_trail_ledger(url: str, calls: int = 6, *, trail_key: TrailKey | None = None) -> TrailLedger:
     """``calls`` whole lives written together (batched), with events of a throwaway call
     between their steps, deleted at the end: each call's events are ids apart, with free ids
-    between them, as a ledger that has been pruned has."""
+    between them, as a ledger that has been pruned has. ``trail_key``: written keyed."""
 
     async def build() -> TrailLedger:
         engine = create_engine(url)
         try:
-            store = LedgerStore(engine, actor="worker-1")
+            store = LedgerStore(engine, actor="worker-1", trail_key=trail_key)
             keys = [CallKey("sess_trail", "turn_1", f"call_{n}") for n in range(calls)]
             apart = CallKey("sess_apart", "turn_1", "call_apart")
             every = [*keys, apart]
@@ -129,7 +129,15 @@ def forge_after(conn: Connection, ledger: TrailLedger, predecessor: CallEvent, *
         **{name: getattr(forged, name) for name in ("at", "actor", "kind", "from_status", "to_status")},
         **{
             name: getattr(forged, name)
-            for name in ("lease_token", "reason", "detail", "prev_sha256", "sha256")
+            for name in (
+                "lease_token",
+                "reason",
+                "detail",
+                "prev_sha256",
+                "sha256",
+                "content_sha256",
+                "trail_mac",
+            )
         },
     }
     with triggers_off(conn):
@@ -168,5 +176,34 @@ def rehash_from(conn: Connection, events: list[CallEvent], index: int, **changes
             tool_call_events.update()
             .where(tool_call_events.c.id == event.id)
             .values(prev_sha256=previous, sha256=sha256, **changes if position == index else {})
+        )
+        previous = sha256
+
+
+def forge_content(conn: Connection, events: list[CallEvent], **columns: Any) -> None:
+    """The call's row changed (``columns`` of ``tool_calls``), and then, as someone who knows
+    the algorithm would, every event that carried the content digest it replaced given the
+    new one, and the chain rehashed from the first of them: the unkeyed trail verifies again;
+    only the keyed MACs (and an export's anchor) can tell."""
+    key = events[0].key
+    where = (
+        (tool_calls.c.session_id == key.session_id)
+        & (tool_calls.c.turn_id == key.turn_id)
+        & (tool_calls.c.call_id == key.call_id)
+    )
+    conn.execute(tool_calls.update().where(where).values(**columns))
+    forged = content_sha256(content_of(call_record(conn.execute(tool_calls.select().where(where)).one())))
+    replaced = events[-1].content_sha256
+    first = next(n for n, event in enumerate(events) if event.content_sha256 == replaced)
+    previous = events[first - 1].sha256 if first else None
+    assert previous is not None
+    for event in events[first:]:
+        if event.content_sha256 == replaced:
+            event = dataclasses.replace(event, content_sha256=forged)
+        sha256 = event_sha256(event_values(event, previous))
+        conn.execute(
+            tool_call_events.update()
+            .where(tool_call_events.c.id == event.id)
+            .values(prev_sha256=previous, sha256=sha256, content_sha256=event.content_sha256)
         )
         previous = sha256

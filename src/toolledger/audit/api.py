@@ -1031,14 +1031,22 @@ async def verify_trail(
     limit: Annotated[
         int, Query(ge=1, le=MAX_TRAIL_BREAKS, description=f"Broken calls listed, 1 to {MAX_TRAIL_BREAKS}.")
     ] = 100,
+    keyed: Annotated[
+        bool,
+        Query(
+            description="Also check every event's keyed MAC with the server's TOOLLEDGER_TRAIL_KEY "
+            "(400 when it has none); an event without one is a break."
+        ),
+    ] = False,
 ) -> TrailReport:
-    """``intact`` false: some trail is broken; each broken call's first broken link is listed
-    (up to ``limit``). Exactly one of ``call``, ``session_id`` or ``all=true``."""
+    """``intact`` false: some trail is broken (an event, or a call's content changed after its
+    last event); each broken call's first broken link is listed (up to ``limit``). Exactly one
+    of ``call``, ``session_id`` or ``all=true``."""
     session_id = _blank_is_none(session_id)
     if sum([call is not None, session_id is not None, whole_ledger]) != 1:
         raise QueryError("give exactly one of call, session_id or all=true")
     scope = await audit.trail_scope(call, session_id=session_id)
-    return await audit.verify_trail(scope, max_listed=limit)
+    return await audit.verify_trail(scope, keyed=keyed, max_listed=limit)
 
 
 async def list_sessions(

@@ -9,8 +9,8 @@ exported (docs/audit-trail.md).
 
 The digest line::
 
-    {"export_sha256": "<hex>", "calls": 42, "trail_format": "toolledger-trail-v1"}   (jsonl)
-    # toolledger export: export_sha256=<hex> calls=42 trail_format=toolledger-trail-v1  (csv)
+    {"export_sha256": "<hex>", "calls": 42, "trail_format": "toolledger-trail-v2"}   (jsonl)
+    # toolledger export: export_sha256=<hex> calls=42 trail_format=toolledger-trail-v2  (csv)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from toolledger.audit.views import CallView
 from toolledger.domain.keys import CallKey
-from toolledger.domain.trail import TRAIL_FORMAT, TrailHead
+from toolledger.domain.trail import TRAIL_FORMAT_V2, TrailHead
 from toolledger.errors import ToolLedgerError
 
 ExportFormat = Literal["jsonl", "csv"]
@@ -121,7 +121,7 @@ class ExportWriter:
     def digest(self) -> ExportLine:
         """The closing line: the digest of every line before it."""
         digest = ExportDigest(
-            export_sha256=self._digest.hexdigest(), calls=self.calls, trail_format=TRAIL_FORMAT
+            export_sha256=self._digest.hexdigest(), calls=self.calls, trail_format=TRAIL_FORMAT_V2
         )
         if self.fmt == "jsonl":
             return ExportLine(digest.model_dump_json() + "\n", is_call=False)

@@ -8,6 +8,7 @@ name and reason, then submitted like any stored result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,7 @@ from toolledger.audit.exports import (
     exported_call,
     read_export,
 )
-from toolledger.audit.trail import ExportReport, TrailCheck, TrailReport, tally
+from toolledger.audit.trail import ExportReport, TrailCheck, TrailReport, tally, trail_state
 from toolledger.audit.views import (
     CallCountsView,
     CallDetail,
@@ -64,10 +65,17 @@ from toolledger.domain.results import (
 )
 from toolledger.domain.states import CallStatus
 from toolledger.domain.submissions import SubmitOutcome
-from toolledger.domain.trail import TrailScope, check_anchor, check_trail
+from toolledger.domain.trail import (
+    TrailKey,
+    TrailScope,
+    check_anchor,
+    check_keyed,
+    check_trail,
+    content_covered,
+)
 from toolledger.errors import AgentsAuthError, CallNotFoundError, ToolLedgerError
 from toolledger.store.ledger import LedgerStore
-from toolledger.store.trail import TrailStore
+from toolledger.store.trail import CallTrail, TrailStore
 
 if TYPE_CHECKING:
     # The SDK (through the gateway, the executor and the registry) is needed to submit or re-run
@@ -290,22 +298,36 @@ class AuditService:
             return scope
         return TrailScope()
 
-    async def check_trails(self, scope: TrailScope) -> AsyncIterator[TrailCheck]:
-        """Each call of ``scope``, its trail recomputed: its first broken link, if any."""
+    def trail_key(self, keyed: bool) -> TrailKey | None:
+        """The key a keyed verification checks the MACs with (None: not keyed)."""
+        if not keyed:
+            return None
+        if self.runtime.trail_key is None:
+            raise QueryError("keyed verification needs the trail's key: set TOOLLEDGER_TRAIL_KEY")
+        return self.runtime.trail_key
+
+    async def check_trails(self, scope: TrailScope, *, keyed: bool = False) -> AsyncIterator[TrailCheck]:
+        """Each call of ``scope``, its trail recomputed (its MACs too, ``keyed``) and its content
+        held to it: its first broken link, if any."""
+        key = self.trail_key(keyed)
         async for trail in self.trails.trails(scope):
-            yield TrailCheck(trail.key, len(trail.events), check_trail(trail.events, trail.status))
+            yield _checked(trail, key)
 
     async def verify_trail(
         self,
         scope: TrailScope,
         *,
+        keyed: bool = False,
         max_listed: int | None = None,
         on_check: Callable[[TrailCheck], None] | None = None,
     ) -> TrailReport:
         """Every trail of ``scope`` recomputed: the counts, and the first broken link of each
-        broken call (the first ``max_listed`` of them, if given)."""
-        report = TrailReport(scope=str(scope), intact=True, calls=0, events=0, broken=0, breaks=[])
-        async for check in self.check_trails(scope):
+        broken call (the first ``max_listed`` of them, if given). ``keyed``: every event's MAC
+        checked too, with the runtime's trail key."""
+        report = TrailReport(
+            scope=str(scope), intact=True, calls=0, events=0, broken=0, breaks=[], keyed=keyed
+        )
+        async for check in self.check_trails(scope, keyed=keyed):
             tally(report, check, max_listed)
             if on_check is not None:
                 on_check(check)
@@ -315,12 +337,14 @@ class AuditService:
         self,
         path: Path,
         *,
+        keyed: bool = False,
         max_listed: int | None = None,
         on_check: Callable[[TrailCheck], None] | None = None,
     ) -> ExportReport:
         """An export read back (``audit.exports``): is the file whole (its digest line), and
         does every call's trail, recomputed, still begin with the head the export recorded?
         A call no longer in the ledger (pruned since, or deleted) is listed apart."""
+        key = self.trail_key(keyed)
         export = read_export(path)
         report = ExportReport(
             scope=f"the calls of {path.name}",
@@ -334,14 +358,15 @@ class AuditService:
             computed_sha256=export.computed_sha256,
             exported_calls=export.recorded.calls,
             missing=[],
+            keyed=keyed,
         )
         batch: list[ExportedHead] = []
         for exported in export.heads():
             batch.append(exported)
             if len(batch) == EXPORT_BATCH:
-                await self._check_exported(batch, report, max_listed, on_check)
+                await self._check_exported(batch, report, key, max_listed, on_check)
                 batch = []
-        await self._check_exported(batch, report, max_listed, on_check)
+        await self._check_exported(batch, report, key, max_listed, on_check)
         if report.calls + len(report.missing) != export.recorded.calls:
             report.intact = report.file_whole = False
         return report
@@ -350,6 +375,7 @@ class AuditService:
         self,
         batch: list[ExportedHead],
         report: ExportReport,
+        key: TrailKey | None,
         max_listed: int | None,
         on_check: Callable[[TrailCheck], None] | None,
     ) -> None:
@@ -359,17 +385,29 @@ class AuditService:
             if trail is None:
                 report.missing.append(str(exported.key))
                 continue
-            found = check_trail(trail.events, trail.status) or check_anchor(trail.events, exported.head)
-            check = TrailCheck(trail.key, len(trail.events), found)
+            check = _checked(trail, key)
+            if check.found is None:
+                check = dataclasses.replace(check, found=check_anchor(trail.events, exported.head))
             tally(report, check, max_listed)
             if on_check is not None:
                 on_check(check)
 
     async def show(self, reference: str | CallReference) -> CallDetail:
-        call = await self.find_one(reference)
-        events = await self.store.events(call.key)
+        """One call with its timeline, and whether its trail holds what is shown: the row and
+        its events read together (one statement), the trail verified, the content held to its
+        last event, and (with the trail's key here) every event's MAC checked."""
+        found = await self.find_one(reference)
+        trails = await self.trails.trails_of([found.key])
+        if not trails:
+            raise CallNotFoundError(f"call {found.key} is no longer in the ledger (pruned meanwhile)")
+        (trail,) = trails
+        key = self.runtime.trail_key
+        broken = check_trail(trail.events, trail.status, trail.content)
+        keyed = None if key is None else check_keyed(trail.events, trail.content, key)
         return CallDetail(
-            call=call_view(call, self.redactor), timeline=[event_view(e, self.redactor) for e in events]
+            call=call_view(trail.call, self.redactor),
+            timeline=[event_view(e, self.redactor) for e in trail.events],
+            trail=trail_state(broken, content_covered(trail.events), keyed, key is not None),
         )
 
     async def find_one(self, reference: str | CallReference) -> CallRecord:
@@ -764,6 +802,12 @@ _RESOLVE_ACTIONS = {
     SubmitOutcome.FAILED: ResolveAction.SUBMIT_FAILED,
     SubmitOutcome.NOT_SENT: ResolveAction.NOT_SENT,
 }
+
+
+def _checked(trail: CallTrail, key: TrailKey | None) -> TrailCheck:
+    """``trail`` recomputed, its content held to it (and its MACs checked with ``key``)."""
+    found = check_trail(trail.events, trail.status, trail.content, key=key)
+    return TrailCheck(trail.key, len(trail.events), found, content_covered(trail.events))
 
 
 def _named(ref: CallReference) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from toolledger.audit.trail import TrailStateView
 from toolledger.domain.queries import outcome_of
 from toolledger.domain.records import CallEvent, CallRecord
 from toolledger.domain.redaction import Redactor
@@ -80,11 +81,25 @@ class EventView(BaseModel):
     sha256: str | None = Field(
         description="This event's hash, over its stored fields (as written, before masking) and prev_sha256."
     )
+    content_sha256: str | None = Field(
+        default=None,
+        description="The digest of the call's content right after this event's write (null: written "
+        "before content digests were kept).",
+    )
+    trail_mac: str | None = Field(
+        default=None,
+        description="Its keyed MAC (the content parts it wrote, then the HMAC): null when its writer "
+        "held no TOOLLEDGER_TRAIL_KEY.",
+    )
 
 
 class CallDetail(BaseModel):
     call: CallView
     timeline: list[EventView] = Field(description="Every transition and submission attempt, in order.")
+    trail: TrailStateView = Field(
+        description="Whether the call's trail verifies and holds its stored content: when `intact` is "
+        "false, the call shown is not what its trail recorded."
+    )
 
 
 class CallPage(BaseModel):
@@ -182,6 +197,8 @@ def event_view(event: CallEvent, redactor: Redactor) -> EventView:
         detail=_text(event.detail, redactor),
         prev_sha256=event.prev_sha256,
         sha256=event.sha256,
+        content_sha256=event.content_sha256,
+        trail_mac=event.trail_mac,
     )
 
 

@@ -534,6 +534,7 @@ def _print_detail(detail: CallDetail) -> None:
         else None
     )
     rows: list[tuple[str, Text | str | None]] = [
+        ("trail", _trail_state(detail)),
         ("call", f"{call.session_id}/{call.turn_id}/{call.call_id}"),
         ("id", call.id),
         ("tool", f"{call.tool_name} ({call.effect_class})"),
@@ -587,6 +588,32 @@ def _print_detail(detail: CallDetail) -> None:
             _plain(reason),
         )
     console.print(timeline)
+
+
+def _trail_state(detail: CallDetail) -> Text:
+    """Whether what `calls show` prints is what the call's trail recorded: said first, in red
+    when it is not."""
+    trail = detail.trail
+    if not trail.intact:
+        said = _plain(
+            f"BROKEN ({trail.kind}): {trail.message}. What is shown below is NOT what the call's "
+            "trail recorded (`toolledger calls verify-trail` names every break)"
+        )
+        said.stylize("bold red")
+        return said
+    last = detail.timeline[-1].id if detail.timeline else None
+    said = _plain(
+        f"intact; the content shown is what event {last} recorded"
+        if trail.content_covered
+        else "intact (its events predate content digests: the content shown is held to nothing)"
+    )
+    if trail.keyed is False:
+        keyed = _plain(f"; keyed check FAILED: {trail.keyed_message}")
+        keyed.stylize("bold red")
+        said.append_text(keyed)
+    elif trail.keyed:
+        said.append("; every keyed MAC matches")
+    return said
 
 
 # ---------------------------------------------------------------------- export
@@ -656,6 +683,12 @@ async def _export(
     help="The calls of an earlier `calls export` (jsonl or csv): the file must be whole, and each "
     "call's trail must still begin with the chain head the export recorded.",
 )
+@click.option(
+    "--keyed",
+    is_flag=True,
+    help="Also check every event's keyed MAC with TOOLLEDGER_TRAIL_KEY: what someone who can write "
+    "the database cannot recompute. An event without one (written before the key was set) is a break.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
     "--progress/--no-progress",
@@ -668,14 +701,16 @@ def verify_trail(
     session_id: str | None,
     whole_ledger: bool,
     export_file: Path | None,
+    keyed: bool,
     as_json: bool,
     progress: bool | None,
     database_url: str | None,
 ) -> None:
     """Recompute the audit trail's hash chains and report the first broken link of each
-    broken call (an edited, deleted, inserted or reordered event). One call (REFERENCE: its
-    tl_ id, SESSION/TURN/CALL or its call id), --session ID, --all, or --export FILE. Exits 1
-    if any trail is broken (or the export file changed), 0 when all are intact."""
+    broken call (an edited, deleted, inserted or reordered event, or a call whose stored
+    content was changed after its last event). One call (REFERENCE: its tl_ id,
+    SESSION/TURN/CALL or its call id), --session ID, --all, or --export FILE. Exits 1 if any
+    trail is broken (or the export file changed), 0 when all are intact."""
     given = [reference is not None, session_id is not None, whole_ledger, export_file is not None]
     if sum(given) != 1:
         raise click.UsageError("give exactly one of REFERENCE, --session ID, --all or --export FILE")
@@ -687,7 +722,9 @@ def verify_trail(
         "verified", enabled=progress if progress is not None else wide and sys.stderr.isatty()
     )
     report = execute(
-        _verify_trail(settings, reference, session_id, export_file, counter, listed_live=not as_json)
+        _verify_trail(
+            settings, reference, session_id, export_file, counter, keyed=keyed, listed_live=not as_json
+        )
     )
     counter.done(report.calls)
     if as_json:
@@ -705,6 +742,7 @@ async def _verify_trail(
     export_file: Path | None,
     counter: ProgressLine,
     *,
+    keyed: bool,
     listed_live: bool,
 ) -> TrailReport:
     """The report; with ``listed_live`` each broken call is printed as it is found (not kept)."""
@@ -722,9 +760,9 @@ async def _verify_trail(
     kept = 0 if listed_live else None
     async with audit_service(settings) as service:
         if export_file is not None:
-            return await service.verify_export(export_file, max_listed=kept, on_check=checked)
+            return await service.verify_export(export_file, keyed=keyed, max_listed=kept, on_check=checked)
         scope = await service.trail_scope(reference, session_id=session_id)
-        return await service.verify_trail(scope, max_listed=kept, on_check=checked)
+        return await service.verify_trail(scope, keyed=keyed, max_listed=kept, on_check=checked)
 
 
 def _print_trail_report(report: TrailReport) -> None:
@@ -754,7 +792,13 @@ def _print_trail_report(report: TrailReport) -> None:
     for listed in report.breaks:
         key = f"{listed.session_id}/{listed.turn_id}/{listed.call_id}"
         click.echo(_plain(f"broken: {key}: {listed.message}").plain)
-    checked = f"{report.calls} call(s), {report.events} event(s) recomputed ({report.scope})"
+    if report.content_not_covered:
+        click.echo(
+            f"{report.content_not_covered} call(s) have only events written before content digests were "
+            "kept (migration 0010): their stored content is held to nothing"
+        )
+    keyed = ", every keyed MAC checked" if report.keyed else ""
+    checked = f"{report.calls} call(s), {report.events} event(s) recomputed{keyed} ({report.scope})"
     if report.broken:
         click.echo(_plain(f"trail BROKEN: {report.broken} of {checked}").plain)
     elif report.intact:

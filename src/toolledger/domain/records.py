@@ -69,6 +69,11 @@ class CallEvent:
     """The hash of the call's event before this one (``domain.trail``)."""
     sha256: str | None = None
     """This event's own hash, over its fields and ``prev_sha256``."""
+    content_sha256: str | None = None
+    """The digest of the call's stored content just after this event's write
+    (``domain.trail.content_sha256``); None in events written before it was kept."""
+    trail_mac: str | None = None
+    """The event's keyed MAC (``domain.trail.TrailKey``), when its writer held the trail key."""
 
 
 @dataclass(frozen=True)

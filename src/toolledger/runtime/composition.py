@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import cached_property
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import make_url
 
+from toolledger.domain.trail import TrailKey
 from toolledger.errors import SchemaNotCurrentError
 from toolledger.settings import Settings
 from toolledger.store.alerts import AlertStore
@@ -157,8 +159,19 @@ class Runtime:
     def ledger_store(self, actor: str, *, owner: str | None = None) -> LedgerStore:
         """The ledger's transitions, recorded as done by ``actor`` (leases held by ``owner``)."""
         return LedgerStore(
-            self.engine, actor=actor, owner=owner, redactor=self.redactor, batching=self.settings.batching
+            self.engine,
+            actor=actor,
+            owner=owner,
+            redactor=self.redactor,
+            batching=self.settings.batching,
+            trail_key=self.trail_key,
         )
+
+    @cached_property
+    def trail_key(self) -> TrailKey | None:
+        """The audit trail's key (``TOOLLEDGER_TRAIL_KEY``): every event this runtime's stores
+        write carries its keyed MAC. None when unset."""
+        return self.settings.trail_key_value
 
     def session_store(self) -> SessionStore:
         return SessionStore(self.engine)
@@ -168,7 +181,13 @@ class Runtime:
 
     def alert_store(self, destination: str, *, actor: str) -> AlertStore:
         """The cursor of one alert destination, and the notes of its alerts (by ``actor``)."""
-        return AlertStore(self.engine, destination=destination, actor=actor, redactor=self.redactor)
+        return AlertStore(
+            self.engine,
+            destination=destination,
+            actor=actor,
+            redactor=self.redactor,
+            trail_key=self.trail_key,
+        )
 
     def operator_views(self) -> OperatorViews:
         return OperatorViews(self.engine)

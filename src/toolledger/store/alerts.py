@@ -15,13 +15,15 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, case, func, literal, or_, select, true
+from sqlalchemy import String, and_, case, func, literal, null, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
 from toolledger.domain.alerts import ALERT_TRIGGERS, AlertSubject, AlertTrigger, alert_kind_of
 from toolledger.domain.keys import CallKey
 from toolledger.domain.redaction import Redactor
+from toolledger.domain.trail import TrailKey
+from toolledger.store.chain import content_sha256_sql
 from toolledger.store.engine import (
     dialect_insert,
     uninterrupted_on_sqlite,
@@ -30,7 +32,8 @@ from toolledger.store.engine import (
     write_transaction,
 )
 from toolledger.store.rows import call_event
-from toolledger.store.schema import alert_cursors, tool_call_events, tool_calls
+from toolledger.store.schema import StorableText, alert_cursors, storable_text, tool_call_events, tool_calls
+from toolledger.store.transitions import EVENT_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,21 @@ def trigger_clause(triggers: Sequence[AlertTrigger] = ALERT_TRIGGERS) -> ColumnE
 
 @uninterrupted_on_sqlite
 class AlertStore:
-    def __init__(self, engine: AsyncEngine, *, destination: str, actor: str, redactor: Redactor) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        destination: str,
+        actor: str,
+        redactor: Redactor,
+        trail_key: TrailKey | None = None,
+    ) -> None:
+        """``trail_key``: each note written carries its keyed MAC, as the ledger's events do."""
         self.engine = engine
         self.destination = destination
         self.actor = actor
         self.redactor = redactor
+        self.trail_key = trail_key
         self._insert = dialect_insert(engine)
         self._triggered = trigger_clause()
 
@@ -263,8 +276,27 @@ class AlertStore:
         )
 
     def _note_insert(self, note: AlertNote) -> Any:
-        """The note as an event of its call, if the call is still in the ledger."""
+        """The note as an event of its call, if the call is still in the ledger, with the
+        digest of the call's content (read from its row, locked on PostgreSQL as a ledger
+        event's INSERT locks it: ``LedgerStore._build_event``)."""
         key = note.key
+        reason = storable_text(self.redactor.text(note.reason))
+        detail = storable_text(self.redactor.text(note.detail))
+        mac = None
+        if self.trail_key is not None:
+            mac = self.trail_key.mac(
+                {
+                    "session_id": key.session_id,
+                    "turn_id": key.turn_id,
+                    "call_id": key.call_id,
+                    "actor": self.actor,
+                    "kind": note.kind,
+                    "to_status": None,
+                    "reason": reason,
+                    "detail": detail,
+                },
+                {},
+            )
         values = select(
             tool_calls.c.session_id,
             tool_calls.c.turn_id,
@@ -272,15 +304,21 @@ class AlertStore:
             utc_now(),
             literal(self.actor),
             literal(note.kind),
-            literal(self.redactor.text(note.reason)),
-            literal(self.redactor.text(note.detail)),
+            null(),
+            null(),
+            null(),
+            literal(reason, StorableText),
+            literal(detail, StorableText),
+            content_sha256_sql(self.engine.dialect.name, tool_calls.c),
+            literal(mac, String),
         ).where(
             tool_calls.c.session_id == key.session_id,
             tool_calls.c.turn_id == key.turn_id,
             tool_calls.c.call_id == key.call_id,
         )
-        columns = ["session_id", "turn_id", "call_id", "at", "actor", "kind", "reason", "detail"]
-        return tool_call_events.insert().from_select(columns, values)
+        if self.engine.dialect.name == "postgresql":
+            values = values.with_for_update(key_share=True)
+        return tool_call_events.insert().from_select(EVENT_COLUMNS, values)
 
     @staticmethod
     def _subjects() -> Any:

@@ -20,8 +20,13 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import expression
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from toolledger.domain.trail import FIELDS
-from toolledger.store.chain import SQLITE_FUNCTION, sqlite_event_sha256
+from toolledger.domain.trail import CONTENT_FIELDS
+from toolledger.store.chain import (
+    SQLITE_CONTENT_FUNCTION,
+    SQLITE_FUNCTION,
+    sqlite_content_sha256,
+    sqlite_event_sha256,
+)
 from toolledger.store.schema import UtcDateTime
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -233,8 +238,13 @@ def lower_like_postgresql(text: Any) -> Any:
 
 def _sqlite_functions(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.create_function(SQLITE_LOWER, 1, lower_like_postgresql, deterministic=True)
-    # The trail's trigger calls it for every event inserted (store.chain).
-    dbapi_connection.create_function(SQLITE_FUNCTION, len(FIELDS), sqlite_event_sha256, deterministic=True)
+    # The trail's trigger calls it for every event inserted (store.chain): with the fields of
+    # FIELDS_V2, or of FIELDS (migration 0008's trigger, until 0010 replaces it).
+    dbapi_connection.create_function(SQLITE_FUNCTION, -1, sqlite_event_sha256, deterministic=True)
+    # Each event's INSERT computes the digest of its call's content (store.chain).
+    dbapi_connection.create_function(
+        SQLITE_CONTENT_FUNCTION, len(CONTENT_FIELDS), sqlite_content_sha256, deterministic=True
+    )
 
 
 def dialect_insert(engine: AsyncEngine) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from sqlalchemy import Select, String, and_, bindparam, func, or_, select, tuple_
+from sqlalchemy import BigInteger, Select, String, and_, bindparam, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
@@ -48,13 +48,22 @@ from toolledger.domain.states import (
     EffectClass,
     Transition,
 )
+from toolledger.domain.trail import TrailKey
 from toolledger.errors import FencedError, TransitionError
 from toolledger.store.batching import WriteBatcher
+from toolledger.store.chain import content_sha256_sql
 from toolledger.store.engine import dialect_insert, is_transient, seconds_until, utc_now
 from toolledger.store.rows import call_events, call_record
-from toolledger.store.schema import open_call_clause, tool_call_events, tool_calls
+from toolledger.store.schema import (
+    StorableText,
+    open_call_clause,
+    storable_text,
+    tool_call_events,
+    tool_calls,
+)
 from toolledger.store.transitions import (
     CONFIRM,
+    EVENT_COLUMNS,
     HEARTBEAT,
     KEY_COLUMNS,
     KEY_MATCH,
@@ -63,6 +72,7 @@ from toolledger.store.transitions import (
     SUBMISSION_FAILURE,
     Note,
     changes,
+    content_written,
     key_params,
     record_insert,
 )
@@ -126,6 +136,7 @@ class LedgerStore:
         owner: str | None = None,
         redactor: Redactor = DEFAULT_REDACTOR,
         batching: bool = True,
+        trail_key: TrailKey | None = None,
     ) -> LedgerStore:
         if cls is LedgerStore:
             cls = _executor_for(engine)
@@ -139,17 +150,20 @@ class LedgerStore:
         owner: str | None = None,
         redactor: Redactor = DEFAULT_REDACTOR,
         batching: bool = True,
+        trail_key: TrailKey | None = None,
     ) -> None:
         """``actor``: who this process is in the audit trail (the worker id). ``owner``: the
         process instance its leases name (``lease_owner``), unique per process so that a
         replica known to be gone can have its leases taken over (``store.liveness``).
         ``batching``: records and outcomes written at the same moment share one commit
-        (``store.batching``); off, each is a write of its own."""
+        (``store.batching``); off, each is a write of its own. ``trail_key``: each event
+        written carries its keyed MAC (``domain.trail.TrailKey``); None: none."""
         self.engine = engine
         self.actor = actor
         self.owner = owner or actor
         self.redactor = redactor
         self.batching = batching
+        self.trail_key = trail_key
         self._statements: dict[Hashable, Any] = {}
         self._records: WriteBatcher[NewCall, Recorded] = WriteBatcher(
             self._records_together, flushes=self._parallel_writes
@@ -236,7 +250,14 @@ class LedgerStore:
                 return await self._already_recorded(conn, key, fingerprint)
             call = call_record(row)
             await self._event(
-                conn, key, RECORD_FOR_APPROVAL.event, None, RECORD_FOR_APPROVAL.target, None, AWAITING_REASON
+                conn,
+                key,
+                RECORD_FOR_APPROVAL.event,
+                None,
+                RECORD_FOR_APPROVAL.target,
+                None,
+                AWAITING_REASON,
+                written=content_written(RECORD_FOR_APPROVAL, params),
             )
             return Recorded(call=call, claimed=False)
 
@@ -807,6 +828,32 @@ class LedgerStore:
             "e_detail": self._audit_text(detail) if detail is not None else None,
         }
 
+    def _mac(
+        self,
+        key: CallKey,
+        kind: str,
+        to_status: CallStatus | str | None,
+        reason: str | None,
+        detail: str | None = None,
+        written: Mapping[str, str | None] | None = None,
+    ) -> str | None:
+        """The keyed MAC of an event this store writes (None without the trail key): over its
+        fields as they will be stored (``reason`` and ``detail`` redacted, as
+        ``_event_params`` passes them) and the content its write sets (``written``)."""
+        if self.trail_key is None:
+            return None
+        values = {
+            "session_id": key.session_id,
+            "turn_id": key.turn_id,
+            "call_id": key.call_id,
+            "actor": self.actor,
+            "kind": kind,
+            "to_status": to_status.value if isinstance(to_status, CallStatus) else to_status,
+            "reason": None if reason is None else storable_text(self._audit_text(reason)),
+            "detail": None if detail is None else storable_text(self._audit_text(detail)),
+        }
+        return self.trail_key.mac(values, written or {})
+
     def _outcome_params(self, outcome: Outcome) -> dict[str, Any]:
         return {
             "p_result": outcome.payload_json(),
@@ -829,23 +876,45 @@ class LedgerStore:
         reason: str | None,
         *,
         detail: str | None = None,
+        written: Mapping[str, str | None] | None = None,
     ) -> None:
-        """An audit event written by a statement of its own."""
-        await conn.execute(
-            tool_call_events.insert().values(
-                session_id=key.session_id,
-                turn_id=key.turn_id,
-                call_id=key.call_id,
-                at=utc_now(),
-                actor=self.actor,
-                kind=kind,
-                from_status=from_status.value if from_status else None,
-                to_status=to_status.value if to_status else None,
-                lease_token=lease_token,
-                reason=self._audit_text(reason) if reason is not None else None,
-                detail=self._audit_text(detail) if detail is not None else None,
-            )
-        )
+        """An audit event written by a statement of its own, with the digest of the call's
+        content as ``conn`` sees it now (after this transaction's own writes: ``written``, the
+        content they set, is what the event's keyed MAC names)."""
+        insert = self._statement(("event",), self._build_event)
+        params = {
+            **key_params(key),
+            **self._event_params(reason, detail),
+            "e_kind": kind,
+            "e_from_status": from_status.value if from_status else None,
+            "e_to_status": to_status.value if to_status else None,
+            "e_lease_token": lease_token,
+            "e_trail_mac": self._mac(key, kind, to_status, reason, detail, written),
+        }
+        if (await conn.execute(insert, params)).first() is None:
+            raise TransitionError(f"{key}: not in the ledger; its {kind} event was not written")
+
+    def _build_event(self) -> Any:
+        """An event of one call, inserted from its row (its key, and its content digest): on
+        PostgreSQL the row is locked first (``FOR NO KEY UPDATE``, as the trail's trigger
+        would), so that a write of the call committing meanwhile is waited for and its content
+        read, not the content before it (which the trigger would then chain after it)."""
+        row = select(
+            *KEY_COLUMNS,
+            utc_now(),
+            bindparam("e_actor", type_=String),
+            bindparam("e_kind", type_=String),
+            bindparam("e_from_status", type_=String),
+            bindparam("e_to_status", type_=String),
+            bindparam("e_lease_token", type_=BigInteger),
+            bindparam("e_reason", type_=StorableText),
+            bindparam("e_detail", type_=StorableText),
+            content_sha256_sql(self.engine.dialect.name, tool_calls.c),
+            bindparam("e_trail_mac", type_=String),
+        ).where(KEY_MATCH)
+        if self.engine.dialect.name == "postgresql":
+            row = row.with_for_update(key_share=True)
+        return tool_call_events.insert().from_select(EVENT_COLUMNS, row).returning(tool_call_events.c.id)
 
 
 class _NotRecorded(Exception):

@@ -39,6 +39,7 @@ from toolledger.domain.keys import CallKey
 from toolledger.domain.records import CallRecord, Recorded
 from toolledger.domain.states import COMPLETE, RECORD, SUBMIT, CallStatus, Transition
 from toolledger.errors import TransitionError
+from toolledger.store.chain import content_sha256_sql
 from toolledger.store.engine import autocommit, is_transient, utc_now
 from toolledger.store.ledger import (
     RECORDED_REASON,
@@ -54,27 +55,15 @@ from toolledger.store.rows import call_record
 from toolledger.store.schema import StorableText, storable_text, tool_call_events, tool_calls
 from toolledger.store.transitions import (
     CONFIRM,
+    EVENT_COLUMNS,
     KEY_COLUMNS,
     KEY_MATCH,
     Note,
     changes,
+    content_written,
     fenced,
     key_params,
     record_insert,
-)
-
-_EVENT_COLUMNS = (
-    "session_id",
-    "turn_id",
-    "call_id",
-    "at",
-    "actor",
-    "kind",
-    "from_status",
-    "to_status",
-    "lease_token",
-    "reason",
-    "detail",
 )
 
 
@@ -91,7 +80,9 @@ class PostgresLedger(LedgerStore):
         if not keys:
             return set()
         statement = self._prepared(("mark_confirmed_many",), self._build_confirm_many)
-        params = {**_key_arrays(keys), **self._event_params("left required_actions")}
+        reason = "left required_actions"
+        macs = [self._mac(key, CONFIRM.event, CONFIRM.status, reason) for key in keys]
+        params = {**_key_arrays(keys), **self._event_params(reason), "a_e_trail_mac": macs}
         async with self._autocommit.connect() as conn:
             rows = await statement.rows(conn, params)
         return {_key(row) for row in rows}
@@ -108,7 +99,8 @@ class PostgresLedger(LedgerStore):
         if not keys:
             return {}
         statement = self._prepared(("mark_submitted_many",), lambda: self._build_change_many(SUBMIT))
-        params = {**_key_arrays(keys), **self._event_params(reason)}
+        macs = [self._mac(key, SUBMIT.event, SUBMIT.target, reason) for key in keys]
+        params = {**_key_arrays(keys), **self._event_params(reason), "a_e_trail_mac": macs}
         async with self._autocommit.connect() as conn:
             rows = await statement.rows(conn, params)
         return {call.key: call for call in map(call_record, rows)}
@@ -123,7 +115,11 @@ class PostgresLedger(LedgerStore):
 
     async def _record_new(self, new: NewCall) -> Recorded:
         statement = self._prepared((RECORD.name,), self._build_record)
-        values = {**new.params, **self._event_params(RECORDED_REASON, new.detail)}
+        values = {
+            **new.params,
+            **self._event_params(RECORDED_REASON, new.detail),
+            "e_trail_mac": self._record_mac(new),
+        }
         async with self._autocommit.connect() as conn:
             rows = await statement.rows(conn, values)
         if rows:
@@ -141,7 +137,7 @@ class PostgresLedger(LedgerStore):
             first.setdefault(new.key, new)
         statement = self._prepared(("record_many",), self._build_record_many)
         values = {
-            **{f"a_{name}": [_row_value(name, new) for new in first.values()] for name in _RECORD_ROW},
+            **{f"a_{name}": [self._row_value(name, new) for new in first.values()] for name in _RECORD_ROW},
             "p_lease_seconds": next(iter(first.values())).params["p_lease_seconds"],
             "p_owner": self.owner,
             **self._event_params(RECORDED_REASON),
@@ -213,18 +209,36 @@ class PostgresLedger(LedgerStore):
     def _completion_row(self, completion: Completion) -> dict[str, Any]:
         """A ``complete_many`` row: the one-call statement's parameters for ``completion``."""
         key, token, outcome = completion
+        transition = COMPLETE.of(outcome.success)
         row: dict[str, Any] = {
             **key_params(key),
             **self._outcome_params(outcome),
             "p_token": token,
-            "p_status": COMPLETE.of(outcome.success).target.value,
+            "p_status": transition.target.value,
             "e_reason": self._audit_text(completed_reason(outcome)),
         }
+        written = content_written(transition, row)
+        reason = completed_reason(outcome)
+        row["e_trail_mac"] = self._mac(key, transition.event, transition.target, reason, None, written)
         # An array's elements skip the column types' bind processing: StorableText's rule here.
         for name in ("p_result", "p_error_detail", "e_reason"):
             if row[name] is not None:
                 row[name] = storable_text(row[name])
         return row
+
+    def _record_mac(self, new: NewCall) -> str | None:
+        written = content_written(RECORD, new.params)
+        return self._mac(new.key, RECORD.event, RECORD.target, RECORDED_REASON, new.detail, written)
+
+    def _row_value(self, name: str, new: NewCall) -> str | None:
+        if name == "e_detail":
+            # Redacted as every audit line is (``_event_params``): its MAC is over what is stored.
+            return None if new.detail is None else storable_text(self._audit_text(new.detail))
+        if name == "e_trail_mac":
+            return self._record_mac(new)
+        value = new.params[name]
+        # An array's elements skip the column type's bind processing: StorableText's rule here.
+        return storable_text(value) if name == "p_arguments" else value
 
     async def _change(
         self,
@@ -240,7 +254,14 @@ class PostgresLedger(LedgerStore):
         statement = self._prepared(
             (transition.name, transition.target, allowed), lambda: self._build_change(transition, allowed)
         )
-        values = {**params, **key_params(key), **self._event_params(reason, detail)}
+        values = {
+            **params,
+            **key_params(key),
+            **self._event_params(reason, detail),
+            "e_trail_mac": self._mac(
+                key, transition.event, transition.target, reason, detail, content_written(transition, params)
+            ),
+        }
         rows = await statement.rows(conn, values)
         return call_record(rows[0]) if rows else None
 
@@ -254,7 +275,12 @@ class PostgresLedger(LedgerStore):
             ),
         )
         async with self._autocommit.connect() as conn:
-            values = {**params, **key_params(key), **self._event_params(reason)}
+            values = {
+                **params,
+                **key_params(key),
+                **self._event_params(reason),
+                "e_trail_mac": self._mac(key, note.event, note.status, reason),
+            }
             rows = await statement.rows(conn, values)
             return rows[0] if rows else None
 
@@ -304,6 +330,8 @@ class PostgresLedger(LedgerStore):
             recorded.c.lease_token,
             bindparam("e_reason", type_=StorableText),
             delivered.c.e_detail,
+            content_sha256_sql("postgresql", recorded.c),
+            delivered.c.e_trail_mac,
         ).join_from(
             recorded,
             delivered,
@@ -313,7 +341,7 @@ class PostgresLedger(LedgerStore):
                 recorded.c.call_id == delivered.c.k_call_id,
             ),
         )
-        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, events).cte("logged")
+        logged = tool_call_events.insert().from_select(EVENT_COLUMNS, events).cte("logged")
         return select(recorded).add_cte(logged)
 
     def _build_complete_many(self) -> Select[Any]:
@@ -358,6 +386,8 @@ class PostgresLedger(LedgerStore):
             changed.c.lease_token,
             given.c.e_reason,
             null(),
+            content_sha256_sql("postgresql", changed.c),
+            given.c.e_trail_mac,
         ).join_from(
             changed,
             given,
@@ -368,7 +398,7 @@ class PostgresLedger(LedgerStore):
                 changed.c.lease_token == given.c.p_token,
             ),
         )
-        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, events).cte("logged")
+        logged = tool_call_events.insert().from_select(EVENT_COLUMNS, events).cte("logged")
         return select(changed).add_cte(logged)
 
     def _build_change(self, transition: Transition, allowed: tuple[str, ...]) -> Select[Any]:
@@ -436,13 +466,23 @@ class PostgresLedger(LedgerStore):
             .cte("changed")
         )
         return self._with_event(
-            changed, transition.event, changed.c.from_status, transition.target, durable=transition.durable
+            changed,
+            transition.event,
+            changed.c.from_status,
+            transition.target,
+            durable=transition.durable,
+            macs_in_arrays=True,
         )
 
     def _build_confirm_many(self) -> Select[Any]:
         confirmed = CONFIRM.update(_KEY_IN_ARRAYS)
         return self._with_event(
-            confirmed.cte("changed"), CONFIRM.event, CONFIRM.status, CONFIRM.status, with_token=False
+            confirmed.cte("changed"),
+            CONFIRM.event,
+            CONFIRM.status,
+            CONFIRM.status,
+            with_token=False,
+            macs_in_arrays=True,
         )
 
     def _with_event(
@@ -454,11 +494,34 @@ class PostgresLedger(LedgerStore):
         *,
         with_token: bool = True,
         durable: bool = True,
+        macs_in_arrays: bool = False,
     ) -> Select[Any]:
         """The rows ``changed`` returns, each with its audit event inserted by the same statement
-        (actor, reason and detail are the parameters ``e_actor``, ``e_reason`` and ``e_detail``).
+        (actor, reason and detail are the parameters ``e_actor``, ``e_reason`` and ``e_detail``)
+        and the digest of the call's content as ``changed`` returns it (the trigger would read
+        the row as it was before the statement). The event's keyed MAC is the parameter
+        ``e_trail_mac``, or with ``macs_in_arrays`` the element of ``a_e_trail_mac`` at the
+        call's place in the key arrays (``_key_arrays``).
         ``durable=False``: the statement's own transaction commits without waiting for the WAL
         flush (``Transition.durable``); set by the statement itself, as it runs in autocommit."""
+        mac: ColumnElement[Any] = bindparam("e_trail_mac", type_=String)
+        if macs_in_arrays:
+            macs = select(
+                *(
+                    func.unnest(bindparam(f"a_{name}", type_=ARRAY(Text))).label(name)
+                    for name in ("k_session_id", "k_turn_id", "k_call_id", "e_trail_mac")
+                )
+            ).cte("macs")
+            mac = (
+                select(macs.c.e_trail_mac)
+                .where(
+                    macs.c.k_session_id == changed.c.session_id,
+                    macs.c.k_turn_id == changed.c.turn_id,
+                    macs.c.k_call_id == changed.c.call_id,
+                )
+                .limit(1)
+                .scalar_subquery()
+            )
         rows = select(
             changed.c.session_id,
             changed.c.turn_id,
@@ -471,8 +534,10 @@ class PostgresLedger(LedgerStore):
             changed.c.lease_token if with_token else null(),
             bindparam("e_reason", type_=StorableText),
             bindparam("e_detail", type_=StorableText),
+            content_sha256_sql("postgresql", changed.c),
+            mac,
         )
-        logged = tool_call_events.insert().from_select(_EVENT_COLUMNS, rows).cte("logged")
+        logged = tool_call_events.insert().from_select(EVENT_COLUMNS, rows).cte("logged")
         if durable:
             return select(changed).add_cte(logged)
         # Transaction-local (is_local): it lasts until this statement's commit, which it governs.
@@ -510,6 +575,7 @@ _COMPLETE_ROW = (
     "p_error_stage",
     "p_error_detail",
     "e_reason",
+    "e_trail_mac",
 )
 """What differs between the outcomes of one ``complete_many``: an array each."""
 
@@ -524,16 +590,9 @@ _RECORD_ROW = (
     "p_effect_class",
     "p_idempotency_key",
     "e_detail",
+    "e_trail_mac",
 )
 """What differs between the calls of one ``record_many``: a text array each."""
-
-
-def _row_value(name: str, new: NewCall) -> str | None:
-    if name == "e_detail":
-        return None if new.detail is None else storable_text(new.detail)
-    value = new.params[name]
-    # An array's elements skip the column type's bind processing: StorableText's rule here.
-    return storable_text(value) if name == "p_arguments" else value
 
 
 _KEY_IN_ARRAYS = tuple_(*KEY_COLUMNS).in_(

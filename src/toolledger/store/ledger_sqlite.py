@@ -24,7 +24,15 @@ from toolledger.store.engine import uninterrupted, write_lock
 from toolledger.store.ledger import RECORDED_REASON, LedgerStore, NewCall
 from toolledger.store.rows import call_record
 from toolledger.store.schema import tool_calls
-from toolledger.store.transitions import KEY_MATCH, Note, changes, fenced, key_params, record_insert
+from toolledger.store.transitions import (
+    KEY_MATCH,
+    Note,
+    changes,
+    content_written,
+    fenced,
+    key_params,
+    record_insert,
+)
 
 
 @uninterrupted
@@ -85,6 +93,7 @@ class SqliteLedger(LedgerStore):
             call.lease_token,
             RECORDED_REASON,
             detail=new.detail,
+            written=content_written(RECORD, new.params),
         )
         return Recorded(call=call, claimed=True)
 
@@ -116,7 +125,15 @@ class SqliteLedger(LedgerStore):
             return None
         call = call_record(row)
         await self._event(
-            conn, key, transition.event, source, transition.target, call.lease_token, reason, detail=detail
+            conn,
+            key,
+            transition.event,
+            source,
+            transition.target,
+            call.lease_token,
+            reason,
+            detail=detail,
+            written=content_written(transition, params),
         )
         return call
 

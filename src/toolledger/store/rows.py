@@ -83,6 +83,9 @@ def call_event(row: Row[Any]) -> CallEvent:
         detail=row.detail,
         prev_sha256=row.prev_sha256,
         sha256=row.sha256,
+        # Absent from a ledger before revision 0010 (read by its migration's tests).
+        content_sha256=row._mapping.get("content_sha256"),
+        trail_mac=row._mapping.get("trail_mac"),
     )
 
 

@@ -33,6 +33,7 @@ from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.store.chain import (
     PG_DROP_SQL,
     PG_TEXT_FUNCTION_SQL,
+    PG_TEXT_FUNCTION_V2_SQL,
     PG_TRIGGER_FUNCTION_SQL,
     PG_TRIGGER_SQL,
     SQLITE_TRIGGER_SQL,
@@ -237,6 +238,12 @@ tool_call_events = Table(
     # (``store.chain``): NULL only in a row written past it.
     Column("prev_sha256", String(64)),
     Column("sha256", String(64)),
+    # The digest of the call's content right after the event's write (``domain.trail``), set
+    # by the statement that writes the event; NULL in events written before it was kept.
+    Column("content_sha256", String(64)),
+    # The event's keyed MAC (``domain.trail.TrailKey``: the content parts it wrote, then the
+    # HMAC), set by the application when it holds the trail key.
+    Column("trail_mac", String(100)),
     ForeignKeyConstraint(
         ["session_id", "turn_id", "call_id"],
         ["tool_calls.session_id", "tool_calls.turn_id", "tool_calls.call_id"],
@@ -250,7 +257,7 @@ tool_call_events = Table(
 _TRAIL_DDL = (
     *(
         ("after_create", "postgresql", sql)
-        for sql in (PG_TEXT_FUNCTION_SQL, PG_TRIGGER_FUNCTION_SQL, PG_TRIGGER_SQL)
+        for sql in (PG_TEXT_FUNCTION_SQL, PG_TEXT_FUNCTION_V2_SQL, PG_TRIGGER_FUNCTION_SQL, PG_TRIGGER_SQL)
     ),
     ("after_create", "sqlite", SQLITE_TRIGGER_SQL),
     # Dropping the table drops its trigger; the functions stay unless dropped with it.

@@ -1,5 +1,6 @@
-"""Reads of the audit trail's hash chain: every call's events with its status (what
-``domain.trail.check_trail`` verifies), and each call's chain head (what exports carry).
+"""Reads of the audit trail's hash chain: every call's events with its row (its status and
+content: what ``domain.trail.check_trail`` verifies), and each call's chain head (what
+exports carry).
 
 Calls are read in key order a page at a time, each page with its events by one statement (one
 snapshot; the events through ``ix_tool_call_events_call``): verifying the whole ledger keeps
@@ -16,10 +17,10 @@ from sqlalchemy import Select, and_, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.keys import CallKey
-from toolledger.domain.records import CallEvent
-from toolledger.domain.trail import TrailHead, TrailScope
+from toolledger.domain.records import CallEvent, CallRecord
+from toolledger.domain.trail import TrailHead, TrailScope, content_of
 from toolledger.store.engine import uninterrupted_on_sqlite
-from toolledger.store.rows import call_event
+from toolledger.store.rows import call_event, call_record
 from toolledger.store.schema import tool_call_events, tool_calls
 
 _CALL_KEY = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
@@ -28,11 +29,23 @@ _EVENT_KEY = (tool_call_events.c.session_id, tool_call_events.c.turn_id, tool_ca
 
 @dataclass(frozen=True)
 class CallTrail:
-    """A call's status and its events, oldest first, as stored."""
+    """A call's row and its events, oldest first, as stored (read together: one snapshot)."""
 
-    key: CallKey
-    status: str
+    call: CallRecord
     events: list[CallEvent]
+
+    @property
+    def key(self) -> CallKey:
+        return self.call.key
+
+    @property
+    def status(self) -> str:
+        return self.call.status.value
+
+    @property
+    def content(self) -> dict[str, str | None]:
+        """What the call's content digest covers, as stored now (``domain.trail.content_of``)."""
+        return content_of(self.call)
 
 
 @uninterrupted_on_sqlite
@@ -49,7 +62,7 @@ class TrailStore:
         """Every call of ``scope`` with its events, in key order, ``batch`` calls per read."""
         after: tuple[str, str, str] | None = None
         while True:
-            page = select(*_CALL_KEY, tool_calls.c.status).where(*_in_scope(scope))
+            page = select(tool_calls).where(*_in_scope(scope))
             if after is not None:
                 page = page.where(tuple_(*_CALL_KEY) > tuple_(*after))
             trails = await self._read(page.order_by(*_CALL_KEY).limit(batch))
@@ -65,18 +78,16 @@ class TrailStore:
         if not keys:
             return []
         wanted = tuple_(*_CALL_KEY).in_([(k.session_id, k.turn_id, k.call_id) for k in keys])
-        return await self._read(select(*_CALL_KEY, tool_calls.c.status).where(wanted))
+        return await self._read(select(tool_calls).where(wanted))
 
     async def _read(self, calls: Select[Any]) -> list[CallTrail]:
-        """The calls ``calls`` selects (key and status), each with its events, read by ONE
-        statement: one snapshot, so a call that changes meanwhile is seen with its status and
-        its events as they were together (two reads could pair a new event with an old status)."""
+        """The calls ``calls`` selects (whole rows), each with its events, read by ONE
+        statement: one snapshot, so a call that changes meanwhile is seen with its row and its
+        events as they were together (two reads could pair a new event with an old status, or
+        new content with an old event)."""
         page = calls.subquery("page")
         statement = (
-            select(
-                page.c.status.label("call_status"),
-                *(page.c[c.name].label(f"call_{c.name}") for c in _CALL_KEY),
-            )
+            select(*(column.label(f"call_{column.name}") for column in page.c))
             .add_columns(*tool_call_events.c)
             .select_from(
                 page.outerjoin(
@@ -87,11 +98,13 @@ class TrailStore:
             .order_by(*(page.c[c.name] for c in _CALL_KEY), tool_call_events.c.id)
         )
         trails: list[CallTrail] = []
+        names = [column.name for column in page.c]
         async with self.engine.connect() as conn:
             for row in await conn.execute(statement):
                 key = CallKey(row.call_session_id, row.call_turn_id, row.call_call_id)
                 if not trails or trails[-1].key != key:
-                    trails.append(CallTrail(key, row.call_status, []))
+                    call = call_record({name: row._mapping[f"call_{name}"] for name in names})
+                    trails.append(CallTrail(call, []))
                 if row.id is not None:
                     trails[-1].events.append(call_event(row))
         return trails

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Float, String, Update, and_, bindparam, case, or_
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
 from toolledger.domain.keys import CallKey
 from toolledger.domain.states import (
@@ -36,10 +36,32 @@ from toolledger.domain.states import (
     Fencing,
     Transition,
 )
+from toolledger.domain.trail import CONTENT_FIELDS, parts_written
 from toolledger.store.engine import utc_after, utc_now
-from toolledger.store.schema import tool_calls
+from toolledger.store.schema import StorableText, storable_text, tool_calls
 
 KEY_COLUMNS = (tool_calls.c.session_id, tool_calls.c.turn_id, tool_calls.c.call_id)
+
+CONTENT_COLUMNS = tuple(tool_calls.c[name] for name in CONTENT_FIELDS)
+"""What the digest of a call's content covers (``domain.trail``): every statement that writes
+an event reads them from the row it changed, or from the row as it is."""
+
+EVENT_COLUMNS = (
+    "session_id",
+    "turn_id",
+    "call_id",
+    "at",
+    "actor",
+    "kind",
+    "from_status",
+    "to_status",
+    "lease_token",
+    "reason",
+    "detail",
+    "content_sha256",
+    "trail_mac",
+)
+"""What a statement inserting events gives each one (the database's trigger sets the hashes)."""
 
 KEY_MATCH = and_(
     tool_calls.c.session_id == bindparam("k_session_id"),
@@ -193,12 +215,13 @@ class Note:
     """Columns returned besides the key."""
 
     def update(self, match: ColumnElement[bool]) -> Update:
-        """The note's UPDATE for the calls ``match`` selects, returning their keys."""
+        """The note's UPDATE for the calls ``match`` selects, returning their keys and content
+        (its event carries the digest of the content)."""
         return (
             tool_calls.update()
             .where(match, *self.where)
             .values(updated_at=utc_now(), **self.writes)
-            .returning(*KEY_COLUMNS, *self.returns)
+            .returning(*KEY_COLUMNS, *CONTENT_COLUMNS, *self.returns)
         )
 
 
@@ -231,15 +254,38 @@ CONFIRM = Note(
 """The session no longer awaits a submitted result: it was consumed."""
 
 
+def content_written(transition: Transition, params: Mapping[str, Any]) -> dict[str, str | None]:
+    """The call's content ``transition`` sets with ``params``, as the row will hold it: what
+    its event's keyed MAC covers besides the event's own fields (``domain.trail.mac_text``)."""
+    written: dict[str, str | None] = {}
+    for name in CONTENT_FIELDS:
+        if name in transition.writes:
+            value = params[WRITES[transition.name][name].key]
+            written[name] = stored_value(name, value)
+    return written
+
+
+def stored_value(name: str, value: str | None) -> str | None:
+    """``value`` as column ``name`` of ``tool_calls`` stores it (a free-text column's rule)."""
+    if value is None or not isinstance(tool_calls.c[name].type, StorableText):
+        return value
+    return storable_text(value)
+
+
 def _check_catalogue() -> None:
     """Each transition sets exactly the columns it declares: the catalogue and its SQL are
-    one declaration, checked when this module loads."""
+    one declaration, checked when this module loads. What it sets of a call's content, it
+    sets whole parts of, from parameters (its event's keyed MAC names them)."""
     for transition in TRANSITIONS:
         declared, written = set(transition.writes), set(WRITES[transition.name])
         if declared != written:
             raise RuntimeError(
                 f"transition {transition.name}: declares {sorted(declared)}, writes {sorted(written)}"
             )
+        parts_written(transition.writes)
+        for name in set(CONTENT_FIELDS) & written:
+            if not isinstance(WRITES[transition.name][name], BindParameter):
+                raise RuntimeError(f"transition {transition.name}: sets {name} from no parameter")
     stray = set(WRITES) - {t.name for t in TRANSITIONS}
     if stray:
         raise RuntimeError(f"SQL for transitions not in the catalogue: {sorted(stray)}")
@@ -250,6 +296,8 @@ _check_catalogue()
 __all__ = [
     "APPROVAL_OPEN",
     "CONFIRM",
+    "CONTENT_COLUMNS",
+    "EVENT_COLUMNS",
     "HEARTBEAT",
     "KEY_COLUMNS",
     "KEY_MATCH",
@@ -259,7 +307,9 @@ __all__ = [
     "WRITES",
     "Note",
     "changes",
+    "content_written",
     "fenced",
     "key_params",
     "record_insert",
+    "stored_value",
 ]

@@ -341,6 +341,14 @@ function renderDetail(detail, { keepForm = false } = {}) {
     dd.dataset.testid = `field-${name.replaceAll(" ", "_")}`;
     fields.append(dt, dd);
   }
+  // What the ledger holds of the call is not what its trail recorded: said above everything.
+  const trail = detail.trail;
+  let broken = null;
+  if (!trail.intact) broken = `${trail.message}.`;
+  else if (trail.keyed === false) broken = `keyed check failed: ${trail.keyed_message}.`;
+  $("detail-trail").hidden = broken === null;
+  $("detail-trail").textContent = broken === null ? "" : `Trail BROKEN: ${broken} What is shown here `
+    + "is NOT what the call's trail recorded (toolledger calls verify-trail names every break).";
   $("detail-arguments").textContent = pretty(call.arguments);
   $("detail-result").textContent = pretty(call.result);
   $("approved-box").hidden = call.approved_arguments === null || call.approved_arguments === undefined;
