@@ -213,6 +213,7 @@ async def test_a_normal_life_of_every_kind__each_event_holds_the_content_after_i
     amended = '{"cents":50}'
     approved = await alone.approve(
         gated,
+        arguments_sha256=arguments_fingerprint({"cents": 500}),
         decided_by="ann",
         reason="a smaller refund",
         amended_arguments=amended,
