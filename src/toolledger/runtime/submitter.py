@@ -180,7 +180,7 @@ class Submitter:
                 outcome = await self._queued(call)
             else:
                 outcome = (await self._send(key.session_id, [call]))[key]
-                span.set("outcome", outcome.value)
+            span.set("outcome", outcome.value)
         _count([outcome])
         return outcome
 
