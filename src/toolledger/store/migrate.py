@@ -11,7 +11,7 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import TYPE_CHECKING
 
-from sqlalchemy import create_engine, inspect, pool, text
+from sqlalchemy import Connection, create_engine, inspect, pool, text
 
 from toolledger.store.engine import sync_url
 
@@ -56,11 +56,16 @@ def current_revision(database_url: str) -> str | None:
     engine = create_engine(sync_url(database_url), poolclass=pool.NullPool)
     try:
         with engine.connect() as conn:
-            if not inspect(conn).has_table("alembic_version"):
-                return None  # never migrated
-            versions = [row[0] for row in conn.execute(text("SELECT version_num FROM alembic_version"))]
+            return revision_of(conn)
     finally:
         engine.dispose()
+
+
+def revision_of(conn: Connection) -> str | None:
+    """The revision ``alembic_version`` records on ``conn`` (None: never migrated)."""
+    if not inspect(conn).has_table("alembic_version"):
+        return None
+    versions = [row[0] for row in conn.execute(text("SELECT version_num FROM alembic_version"))]
     if len(versions) > 1:
         raise RuntimeError(f"the ledger records several schema revisions at once: {sorted(versions)}")
     return versions[0] if versions else None

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, func, select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from toolledger.domain.states import RESULT_STATUSES
 from toolledger.metrics import LedgerSnapshot
+from toolledger.store.migrate import revision_of
 from toolledger.store.schema import sessions, tool_calls
 
 
@@ -23,7 +23,7 @@ class OperatorViews:
     async def schema_revision(self) -> str | None:
         """The revision the database's schema is at (None: never migrated)."""
         async with self.engine.connect() as conn:
-            return await conn.run_sync(_schema_revision)
+            return await conn.run_sync(revision_of)
 
     async def ledger_snapshot(self) -> LedgerSnapshot:
         """One GROUP BY over the calls (the oldest waiting result rides along as a MIN), and
@@ -44,10 +44,6 @@ class OperatorViews:
             oldest_unsubmitted_result_age_seconds=max(oldest, 0.0),
             watched_sessions=watched_count,
         )
-
-
-def _schema_revision(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
 
 
 __all__ = ["OperatorViews"]
