@@ -54,6 +54,33 @@ ALERT_POSTS = Counter(
     ["outcome"],
 )
 
+WEBHOOKS = Counter(
+    "toolledger_webhooks",
+    "Webhooks received at /webhooks/agents, by outcome (accepted, duplicate, ignored, "
+    "unavailable, refused_<reason>).",
+    ["outcome"],
+)
+WEBHOOK_ACK_DURATION = Histogram(
+    "toolledger_webhook_ack_seconds",
+    "Time from a webhook's arrival to its answer (verified and committed, or refused).",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+)
+LOOKS = Counter(
+    "toolledger_looks",
+    "Looks at intake sessions (served without an event stream), by result (reconciled, "
+    "other_agent, gone, failed).",
+    ["result"],
+)
+SWEEPS = Counter(
+    "toolledger_sweeps",
+    "Sweeps of an agent's sessions, by outcome (done, failed).",
+    ["outcome"],
+)
+SWEPT_SESSIONS = Counter(
+    "toolledger_swept_sessions",
+    "Sessions a sweep found requiring an action (each then looked at).",
+)
+
 HANDLER_THREAD_WAIT = Histogram(
     "toolledger_handler_thread_wait_seconds",
     "Time a sync handler's run waited for a thread of its own (TOOLLEDGER_HANDLER_THREADS, or its "

@@ -4,19 +4,23 @@ when toolledger's are unset)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
+import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from toolledger.domain.redaction import DEFAULT_SECRET_FIELDS, Redactor
 from toolledger.domain.trail import MIN_KEY_BYTES, TrailKey
 
+AGENT_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///toolledger.sqlite3"
 SDK_VARIABLES: dict[str, tuple[str, ...]] = {
     "openai_api_key": ("OPENAI_API_KEY", "openai_api_key"),
@@ -150,6 +154,34 @@ class Settings(BaseSettings):
     discover_interval_seconds: float = Field(
         default=10.0, gt=0, description="How often sessions are discovered by `discover_metadata`."
     )
+    agent_ids: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Serve every session of these agents (comma-separated `agt_…` ids): found by a "
+        "sweep of each agent's sessions every `sweep_seconds`, and at once through signed webhooks "
+        "when `listen` and `webhook_secret` are set. Sessions of other agents are never answered.",
+    )
+    listen: str | None = Field(
+        default=None,
+        description="HOST:PORT where `serve` takes the Agents API's signed webhooks (POST "
+        "/webhooks/agents); needs `webhook_secret` and `agent_ids`.",
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="The webhook endpoint's signing secret (`whsec_…`, from the OpenAI dashboard).",
+    )
+    webhook_previous_secret: SecretStr | None = Field(
+        default=None,
+        description="The secret being rotated out: webhooks signed with either are accepted.",
+    )
+    webhook_max_bytes: int = Field(
+        default=64 * 1024, gt=0, description="Largest webhook body taken (larger: 413, nothing stored)."
+    )
+    sweep_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often one replica pages each configured agent's sessions for those that "
+        "require an action (what a dropped webhook, or none at all, leaves waiting).",
+    )
     secret_fields: frozenset[str] = Field(
         default=DEFAULT_SECRET_FIELDS, description="Field names masked in logs and audit views."
     )
@@ -218,6 +250,64 @@ class Settings(BaseSettings):
         "or verifies, never in the database.",
     )
 
+    @field_validator("agent_ids", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("agent_ids")
+    @classmethod
+    def _agent_ids(cls, ids: tuple[str, ...]) -> tuple[str, ...]:
+        for agent_id in ids:
+            if not AGENT_ID.fullmatch(agent_id):
+                raise ValueError(f"not an agent id: {agent_id[:80]!r} (letters, digits, _ and -)")
+        return tuple(dict.fromkeys(ids))
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, listen: str | None) -> str | None:
+        if listen is None or not listen.strip():
+            return None
+        host, _, port = listen.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("not HOST:PORT (e.g. 0.0.0.0:8080)")
+        return listen.strip()
+
+    @field_validator("webhook_secret", "webhook_previous_secret")
+    @classmethod
+    def _signing_secret(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is None or not secret.get_secret_value().strip():
+            return None
+        value = secret.get_secret_value().strip()
+        if value.startswith("whsec_"):
+            try:
+                decoded = base64.b64decode(value[len("whsec_") :], validate=True)
+            except binascii.Error:
+                decoded = b""
+            if not decoded:
+                raise ValueError("a whsec_ secret must be base64 after its prefix")
+        return SecretStr(value)
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        if self.listen is None:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def intake_problem(self) -> str | None:
+        """Why the intake settings cannot serve (None: they can, or there is no intake)."""
+        if self.listen is not None and self.webhook_secret is None:
+            return "`listen` takes signed webhooks: set TOOLLEDGER_WEBHOOK_SECRET (whsec_…)"
+        if self.listen is not None and not self.agent_ids:
+            return (
+                "webhooks carry no agent id, and only the sessions of configured agents are "
+                "answered: set TOOLLEDGER_AGENT_IDS (or serve --agent agt_…)"
+            )
+        return None
+
     @field_validator("trail_key")
     @classmethod
     def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
@@ -282,7 +372,13 @@ class Settings(BaseSettings):
             *((self.metrics_token,) if self.metrics_token is not None else ()),
         )
         secrets = [token.get_secret_value() for token in tokens]
-        for secret in (self.openai_api_key, self.alert_webhook_secret, self.trail_key):
+        for secret in (
+            self.openai_api_key,
+            self.alert_webhook_secret,
+            self.trail_key,
+            self.webhook_secret,
+            self.webhook_previous_secret,
+        ):
             if secret is not None:
                 secrets.append(secret.get_secret_value())
         password = make_url(self.database_url).password

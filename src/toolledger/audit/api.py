@@ -28,16 +28,14 @@ import contextlib
 import json
 import logging
 import re
-import socket
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import uvicorn
 from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request
 from fastapi import Path as PathParameter
 from fastapi.exceptions import RequestValidationError
@@ -99,6 +97,7 @@ from toolledger.errors import (
 from toolledger.gateway.agents import AgentsGateway
 from toolledger.metrics import LedgerCollector, LedgerSnapshot
 from toolledger.runtime.composition import Runtime
+from toolledger.runtime.http_serving import serve_app
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.settings import Settings
 from toolledger.store import migrate
@@ -1467,26 +1466,6 @@ def _policy(path: str) -> bytes:
 # ----------------------------------------------------------------------------- serving
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: whoever runs it (``toolledger api``, ``serve``)
-    owns SIGTERM and tells it to stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the protocol
-    # says TCP; without it every response waits ~40 ms for a delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(512)
-    return sock
-
-
 async def serve_api(
     app: FastAPI,
     host: str,
@@ -1499,36 +1478,9 @@ async def serve_api(
     """Serve ``app`` until ``stop`` is set or the task is cancelled; ``on_listening(host, port)``
     is called once connections are accepted (with the real port when ``port`` is 0)."""
     ensure_safe_exposure(app.state.tokens, host)
-    sock = listening_socket(host, port)
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        log_level=log_level,
-        lifespan="on",
-        server_header=False,
-        timeout_graceful_shutdown=5,
+    await serve_app(
+        app, host, port, name="audit API", stop=stop, on_listening=on_listening, log_level=log_level
     )
-    server = _EmbeddedServer(config)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if serving.done():
-                await serving
-                raise RuntimeError("the audit API stopped while starting")
-            await asyncio.sleep(0.02)
-        if on_listening is not None:
-            bound_host, bound_port = sock.getsockname()[:2]
-            on_listening(bound_host, bound_port)
-        stopping = asyncio.create_task((stop or asyncio.Event()).wait())
-        try:
-            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
-        sock.close()
 
 
 async def api_server_task(
@@ -1553,4 +1505,4 @@ async def api_server_task(
     )
 
 
-__all__ = ["ApiState", "api_server_task", "create_app", "listening_socket", "serve_api"]
+__all__ = ["ApiState", "api_server_task", "create_app", "serve_api"]

@@ -166,6 +166,23 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
     help="The application's tools: package.module:registry (a ToolRegistry or a function returning one).",
 )
 @click.option("--watch", "watch_ids", multiple=True, help="Also watch this session (repeatable).")
+@click.option(
+    "--agent",
+    "agent_ids",
+    multiple=True,
+    metavar="AGENT_ID",
+    help="Serve every session of this agent, registered or not (repeatable; default: "
+    "TOOLLEDGER_AGENT_IDS, comma-separated). Found by a sweep of its sessions, and at once "
+    "through webhooks with --listen.",
+)
+@click.option(
+    "--listen",
+    default=None,
+    metavar="HOST:PORT",
+    help="Take the Agents API's signed webhooks at http://HOST:PORT/webhooks/agents (needs "
+    "TOOLLEDGER_WEBHOOK_SECRET and an agent; default: TOOLLEDGER_LISTEN). Every process of "
+    "--processes listens on it.",
+)
 @database_option
 @base_url_option
 @click.option("--concurrency", type=click.IntRange(1), default=None, help="Handlers run at once.")
@@ -191,6 +208,8 @@ def migrate(database_url: str | None, revision: str, downgrade: bool) -> None:
 def serve(
     tools_reference: str,
     watch_ids: tuple[str, ...],
+    agent_ids: tuple[str, ...],
+    listen: str | None,
     database_url: str | None,
     base_url: str | None,
     concurrency: int | None,
@@ -207,6 +226,8 @@ def serve(
             processes,
             tools_reference,
             watch_ids,
+            agent_ids=agent_ids,
+            listen=listen,
             database_url=database_url,
             base_url=base_url,
             concurrency=concurrency,
@@ -221,6 +242,8 @@ def serve(
     settings = settings_from(
         database_url=database_url,
         openai_base_url=base_url,
+        agent_ids=",".join(agent_ids) if agent_ids else None,
+        listen=listen,
         max_concurrent_calls=concurrency,
         shutdown_grace_seconds=grace,
         api_host=api_host,
@@ -250,9 +273,11 @@ def _serve_processes(
     *,
     log_level: str,
     with_api: bool,
+    agent_ids: tuple[str, ...],
     **options: Any,
 ) -> None:
-    """``serve --processes N``: N serve processes, one of them with the audit API."""
+    """``serve --processes N``: N serve processes, one of them with the audit API (each of
+    them takes webhooks on ``--listen``: the kernel shares the port among them)."""
     from sqlalchemy.engine import make_url
 
     from toolledger.cli.supervisor import supervise
@@ -266,6 +291,7 @@ def _serve_processes(
         )
     load_tools(tools_reference)  # a bad reference is refused here, once, not by N children
     shared = ["--tools", tools_reference, "--log-level", log_level, "--processes", "1"]
+    shared += [argument for agent_id in agent_ids for argument in ("--agent", agent_id)]
     for name, value in options.items():
         if value is not None:
             shared += [f"--{name.replace('_', '-')}", str(value)]

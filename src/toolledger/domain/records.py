@@ -101,6 +101,23 @@ class SessionRecord:
     reason: str | None
     created_at: datetime
     updated_at: datetime
+    intake: str | None = None
+    """How it came without registration (``webhook``, ``sweep``): then it is served by looks."""
+    agent_id: str | None = None
+    look_requested_at: datetime | None = None
+    look_seq: int = 0
+    look_owner: str | None = None
+    look_expires_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class LookClaim:
+    """A look at an intake session taken by one replica: ``seq`` as it was then (asked for
+    again meanwhile, the look stays due), ``agent_id`` if already known."""
+
+    session_id: str
+    seq: int
+    agent_id: str | None
 
 
 @dataclass(frozen=True)
@@ -113,3 +130,5 @@ class ReplicaRecord:
     expires_at: datetime
     handler_load: Mapping[str, int] | None = None
     """How its handlers stood at its last heartbeat (slots, threads, waits), if it said."""
+    intake_counts: Mapping[str, int] | None = None
+    """Its webhook intake's counts since it started (accepted, duplicate, refused_…), if any."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any, get_args
@@ -248,6 +248,22 @@ class AgentsGateway:
         except _REFUSED_CREDENTIALS as error:
             raise _auth_error(error) from error
         return found
+
+    async def agent_sessions(self, agent_id: str) -> AsyncIterator[AgentSession]:
+        """The sessions of one agent, newest first, page by page as the caller reads on."""
+        try:
+            async for session in self.client.beta.agents.sessions.list(
+                agent_id=agent_id, order="desc", limit=DISCOVERY_PAGE
+            ):
+                yield session
+        except _REFUSED_CREDENTIALS as error:
+            raise _auth_error(error) from error
+
+    def verify_webhook(self, body: bytes, headers: Mapping[str, str], secret: str) -> None:
+        """The SDK's own Standard Webhooks check (signature over ``id.timestamp.body``, a
+        300 s window): InvalidWebhookSignatureError (or ValueError for a missing header)
+        when it fails."""
+        self.client.webhooks.verify_signature(body, headers, secret=secret)
 
 
 _REFUSED_CREDENTIALS = (openai.AuthenticationError,)

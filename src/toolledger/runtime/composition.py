@@ -28,6 +28,7 @@ from toolledger.settings import Settings
 from toolledger.store.alerts import AlertStore
 from toolledger.store.audit import AuditStore
 from toolledger.store.engine import create_engine, missing_sqlite_file
+from toolledger.store.intake import IntakeStore
 from toolledger.store.ledger import LedgerStore
 from toolledger.store.liveness import Liveness, liveness_for
 from toolledger.store.operator_views import OperatorViews
@@ -175,6 +176,9 @@ class Runtime:
 
     def session_store(self) -> SessionStore:
         return SessionStore(self.engine)
+
+    def intake_store(self) -> IntakeStore:
+        return IntakeStore(self.engine)
 
     def audit_store(self) -> AuditStore:
         return AuditStore(self.engine)

@@ -44,10 +44,13 @@ from toolledger.runtime.composition import Runtime
 from toolledger.runtime.executor import HandleReport
 from toolledger.runtime.handler_runner import HandlerLoad
 from toolledger.runtime.handler_threads import running_handler_threads
+from toolledger.runtime.looks import LookTaker, Sweeper
 from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.tool_ledger import ToolLedger
+from toolledger.runtime.webhook_intake import PATH as WEBHOOK_PATH
+from toolledger.runtime.webhook_intake import WebhookIntake
 from toolledger.settings import Settings
 from toolledger.store.sessions import SessionStore
 
@@ -97,6 +100,10 @@ class ServiceStatus:
     stopping: bool
     handlers: HandlerLoad | None = None
     """Its handlers' slots and threads: taken, timed out and still running, waited for."""
+    looking: int = 0
+    """Intake sessions being looked at now (served without a stream)."""
+    intake_counts: dict[str, int] | None = None
+    """Its webhook intake's and looks' counts since it started (None: no intake here)."""
 
 
 class Service:
@@ -142,6 +149,10 @@ class Service:
         self._runner: CallRunner | None = None
         self._reconciler: Reconciler | None = None
         self._alerts: AlertSender | None = None
+        self._looks: LookTaker | None = None
+        self._webhooks: WebhookIntake | None = None
+        self.webhook_address: tuple[str, int] | None = None
+        """Where the webhook intake listens (the real port when ``listen`` said 0)."""
 
     # ------------------------------------------------------------------ life
 
@@ -152,6 +163,9 @@ class Service:
                 "OPENAI_API_KEY) for the OpenAI API, or TOOLLEDGER_OPENAI_BASE_URL (or "
                 "OPENAI_BASE_URL) for another server (a `toolledger emulator`, say)"
             )
+        problem = self.settings.intake_problem()
+        if problem is not None:
+            raise ConfigurationError(problem)
         runtime = self.ledger.runtime
         # Refused before anything is taken: a webhook without a secret is a configuration error.
         self._alerts = alert_sender_for(
@@ -194,6 +208,8 @@ class Service:
             if recovered:
                 log.info("recovery: %d session(s) with open calls are watched again", recovered)
             await self._take_over_gone()
+            if self.settings.agent_ids:
+                await self._sessions.request_looks_at_open_calls()
             # Said before any follower starts: "serving" then comes before the first call's work.
             await self._say_what_recovery_waits_for()
             await self._balance()
@@ -210,6 +226,8 @@ class Service:
             self._loops.append(asyncio.create_task(self._discovery_loop(), name="session discovery"))
         if self._alerts is not None:
             self._loops.append(asyncio.create_task(self._alerts.run(), name="alert webhook"))
+        if self.settings.agent_ids:
+            await self._start_intake()
         self._started = True
         log.info(
             "replica %s serving: %d session(s), up to %d concurrent calls, %d handler threads",
@@ -219,6 +237,75 @@ class Service:
             self.settings.handler_threads,
         )
         return self
+
+    async def _start_intake(self) -> None:
+        """Looks, the agents' sweeps and (with ``listen``) the webhook intake. Its address
+        taken by another process stops the start-up: a replica behind a load balancer that
+        cannot take webhooks must not look healthy."""
+        runtime, sessions, reconciler = self.ledger.runtime, self.sessions, self.reconciler
+        looks = LookTaker(
+            self.settings, sessions, reconciler, self.ledger.gateway, self.replica_id, on_fatal=self._fail
+        )
+        self._looks = looks
+        sweeper = Sweeper(
+            self.settings,
+            runtime.intake_store(),
+            sessions,
+            self.ledger.gateway,
+            self.replica_id,
+            on_fatal=self._fail,
+            on_found=looks.wake,
+        )
+        self._loops += [
+            asyncio.create_task(looks.run(), name="looks"),
+            asyncio.create_task(sweeper.run(), name="agent sweeps"),
+        ]
+        address = self.settings.listen_address
+        if address is None:
+            log.info(
+                "serving the sessions of agent(s) %s: swept every %.0fs",
+                ", ".join(looks.agent_ids),
+                sweeper.every,
+            )
+            return
+        from toolledger.runtime.http_serving import serve_app
+
+        self._webhooks = WebhookIntake(
+            self.settings, runtime.intake_store(), self.ledger.gateway, on_look_requested=looks.wake
+        )
+        listening: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+
+        def bound(host: str, port: int) -> None:
+            if not listening.done():
+                listening.set_result((host, port))
+
+        server = asyncio.create_task(
+            serve_app(
+                self._webhooks.app(), *address, name="webhook intake", on_listening=bound, lifespan="off"
+            ),
+            name="webhook intake",
+        )
+        self._loops.append(server)
+        pending: list[asyncio.Future[Any]] = [server, listening]
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if not listening.done():
+            try:
+                server.result()
+            except OSError as error:
+                raise ConfigurationError(
+                    f"cannot listen on {self.settings.listen}: {error.strerror or error}"
+                ) from None
+            raise ConfigurationError(f"the webhook intake on {self.settings.listen} stopped while starting")
+        self.webhook_address = listening.result()
+        host, port = self.webhook_address
+        log.info(
+            "serving the sessions of agent(s) %s: webhooks at http://%s:%d%s, swept every %.0fs",
+            ", ".join(looks.agent_ids),
+            f"[{host}]" if ":" in host else host,
+            port,
+            WEBHOOK_PATH,
+            sweeper.every,
+        )
 
     async def _say_what_recovery_waits_for(self) -> None:
         """An operator restarting after a crash should not have to guess why nothing moves."""
@@ -275,6 +362,8 @@ class Service:
         try:
             await _cancel_all([*self._loops, *self._followers.values(), *self._reconciling.values()])
             self._followers.clear()
+            if self._looks is not None:
+                await self._looks.stop()
             if self._alerts is not None:
                 try:
                     await self._alerts.close()
@@ -364,7 +453,17 @@ class Service:
             started=self._started,
             stopping=self._stopping,
             handlers=self._handler_load(),
+            looking=self._looks.looking if self._looks is not None else 0,
+            intake_counts=self._intake_counts(),
         )
+
+    def _intake_counts(self) -> dict[str, int] | None:
+        if self._looks is None:
+            return None
+        counts = {f"look_{result}": n for result, n in self._looks.counts.items()}
+        if self._webhooks is not None:
+            counts.update({f"webhook_{outcome}": n for outcome, n in self._webhooks.counts.items()})
+        return counts
 
     def _handler_load(self) -> HandlerLoad | None:
         try:
@@ -434,6 +533,7 @@ class Service:
             pid=os.getpid(),
             lease_seconds=lease,
             handler_load=None if load is None else load.as_dict(),
+            intake_counts=self._intake_counts(),
         )
         renewed = await sessions.renew(self.replica_id, self._leases, lease)
         self._last_renewal = time.monotonic()
@@ -482,8 +582,11 @@ class Service:
             freed,
             len(taken),
         )
-        for session_id in {call.key.session_id for call in taken} & set(self._followers):
+        touched = {call.key.session_id for call in taken}
+        for session_id in touched & set(self._followers):
             self._request_reconcile(session_id)
+        if self._looks is not None and await self.sessions.nudge_looks(touched - set(self._followers)):
+            self._looks.wake()
         return True
 
     async def _drop(self, session_id: str) -> None:
@@ -694,6 +797,8 @@ class Service:
                     self._wake_leases.set()
                 for session_id in list(self._followers):
                     self._request_reconcile(session_id)
+                if self._looks is not None and await self.sessions.request_looks_at_open_calls():
+                    self._looks.wake()
             except Exception:
                 log_failure(log, "periodic reconcile failed; retrying")
 
@@ -708,12 +813,18 @@ class Service:
             try:
                 now = time.monotonic()
                 decided = await self.ledger.store.decided_calls()
+                unfollowed: set[str] = set()
                 for key in decided:
-                    if key.session_id in self._followers and now - asked.get(key, -ASK_AGAIN_AFTER) >= (
-                        ASK_AGAIN_AFTER
-                    ):
+                    if now - asked.get(key, -ASK_AGAIN_AFTER) < ASK_AGAIN_AFTER:
+                        continue
+                    if key.session_id in self._followers:
                         asked[key] = now
                         self._request_reconcile(key.session_id)
+                    elif self._looks is not None:
+                        asked[key] = now
+                        unfollowed.add(key.session_id)
+                if unfollowed and self._looks is not None and await self.sessions.nudge_looks(unfollowed):
+                    self._looks.wake()
                 for key in [k for k in asked if k not in decided]:
                     del asked[key]
             except Exception:

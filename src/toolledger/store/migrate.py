@@ -18,7 +18,7 @@ from toolledger.store.engine import sync_url
 if TYPE_CHECKING:
     from alembic.config import Config
 
-HEAD = "0011"
+HEAD = "0012"
 """The newest revision shipped: tests/store/test_migrations.py holds it equal to the scripts'
 head, so a new migration cannot be added without it."""
 

@@ -285,8 +285,22 @@ sessions = Table(
     Column("created_at", UtcDateTime(), nullable=False),
     Column("updated_at", UtcDateTime(), nullable=False),
     Column("reason", StorableText),
+    Column("intake", String(16)),
+    Column("agent_id", String(255)),
+    Column("look_requested_at", UtcDateTime()),
+    Column("look_seq", BigInteger, nullable=False, server_default=text("0")),
+    Column("look_owner", String(255)),
+    Column("look_expires_at", UtcDateTime()),
     Index("ix_sessions_owner", "owner"),
+    Index("ix_sessions_look_requested_at", "look_requested_at"),
 )
+"""Sessions the service answers. ``watched``: followed by an event stream (registered, or
+recovered with open calls). ``intake``: how a session came without registration (``webhook``,
+``sweep``); such a session is served by *looks*: ``look_requested_at`` (null: nothing to look
+at; in the future: look then) is set by a webhook, the sweep or a known wait, one replica claims
+the look (``look_owner`` until ``look_expires_at``), reconciles the session and clears it unless
+``look_seq`` moved on meanwhile (asked again while it looked). ``agent_id``: its root agent,
+once read: a session of an agent not configured is never answered."""
 
 replicas = Table(
     "replicas",
@@ -298,9 +312,39 @@ replicas = Table(
     Column("heartbeat_at", UtcDateTime(), nullable=False),
     Column("expires_at", UtcDateTime(), nullable=False),
     Column("handler_load", Text),
+    Column("intake_counts", Text),
 )
 """Live ``serve`` processes: each takes a fair share of the watched sessions. ``handler_load``:
-how its handlers stood at its last heartbeat (JSON: slots, threads, waits)."""
+how its handlers stood at its last heartbeat (JSON: slots, threads, waits); ``intake_counts``:
+its webhook intake's counts since it started (JSON: accepted, duplicate, refused by reason)."""
+
+webhook_deliveries = Table(
+    "webhook_deliveries",
+    metadata,
+    Column("webhook_id", String(255), primary_key=True),
+    Column("event_type", String(64), nullable=False),
+    Column("session_id", ID),
+    Column("received_at", UtcDateTime(), nullable=False),
+    Index("ix_webhook_deliveries_received_at", "received_at"),
+)
+"""Every verified webhook taken, by its ``webhook-id``: a delivery retried by the sender is
+taken once (its insert conflicts). Pruned after a week, far past the sender's retries."""
+
+agent_sweeps = Table(
+    "agent_sweeps",
+    metadata,
+    Column("agent_id", String(255), primary_key=True),
+    Column("watermark", BigInteger),
+    Column("runs", BigInteger, nullable=False, server_default=text("0")),
+    Column("owner", String(255)),
+    Column("lease_expires_at", UtcDateTime()),
+    Column("last_run_at", UtcDateTime()),
+    Column("last_found", Integer),
+    Column("last_error", Text),
+)
+"""Per configured agent, its sessions' sweep: ``watermark`` (the ``created_at`` of the newest
+session the last sweep saw: the next one pages down to it), who sweeps now (one replica, under
+a lease) and how the last run went."""
 
 alert_cursors = Table(
     "alert_cursors",

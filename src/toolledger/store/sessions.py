@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 
-from toolledger.domain.records import ReplicaRecord, SessionRecord
+from toolledger.domain.records import LookClaim, ReplicaRecord, SessionRecord
 from toolledger.domain.redaction import redact_text
 from toolledger.domain.states import CallStatus, EffectClass
 from toolledger.store.engine import (
@@ -31,6 +31,41 @@ from toolledger.store.engine import (
     write_transaction,
 )
 from toolledger.store.schema import open_call_clause, replicas, sessions, tool_calls
+
+LOOK_NOW = case(
+    (or_(sessions.c.look_requested_at.is_(None), sessions.c.look_requested_at > utc_now()), utc_now()),
+    else_=sessions.c.look_requested_at,
+)
+"""A look asked for now: an earlier request still waiting keeps its place, a later one
+(a known wait's end) is brought forward."""
+
+
+def look_request(
+    insert: Callable[..., Any], session_id: str, *, intake: str, agent_id: str | None = None
+) -> Any:
+    """The statement that asks for a look at ``session_id`` (its row made if new): also run
+    by the intake's own transaction, with the delivery it records."""
+    values: dict[str, Any] = {
+        "session_id": session_id,
+        "watched": False,
+        "intake": intake,
+        "agent_id": agent_id,
+        "look_requested_at": utc_now(),
+        "look_seq": 1,
+        "created_at": utc_now(),
+        "updated_at": utc_now(),
+    }
+    statement = insert(sessions).values(**values)
+    return statement.on_conflict_do_update(
+        index_elements=[sessions.c.session_id],
+        set_={
+            "intake": func.coalesce(sessions.c.intake, statement.excluded.intake),
+            "agent_id": func.coalesce(sessions.c.agent_id, statement.excluded.agent_id),
+            "look_requested_at": LOOK_NOW,
+            "look_seq": sessions.c.look_seq + 1,
+            "updated_at": utc_now(),
+        },
+    )
 
 
 @uninterrupted_on_sqlite
@@ -177,6 +212,130 @@ class SessionStore:
             )
             return result.rowcount
 
+    # ------------------------------------------------------------------- looks
+
+    async def request_looks(
+        self, session_ids: Iterable[str], *, intake: str, agent_id: str | None = None
+    ) -> int:
+        """Ask for a look at each session (made an intake session if new); how many asked."""
+        ids = list(dict.fromkeys(session_ids))
+        if not ids:
+            return 0
+        async with write_transaction(self.engine) as conn:
+            for session_id in ids:
+                await conn.execute(look_request(self._insert, session_id, intake=intake, agent_id=agent_id))
+        return len(ids)
+
+    async def nudge_looks(self, session_ids: Iterable[str]) -> int:
+        """Ask for a look at those of ``session_ids`` that are intake sessions (an operator's
+        decision, a dead replica's calls taken over): they have no stream to hear it on."""
+        ids = sorted(set(session_ids))
+        if not ids:
+            return 0
+        statement = (
+            sessions.update()
+            .where(sessions.c.session_id.in_(ids), sessions.c.intake.is_not(None))
+            .values(look_requested_at=LOOK_NOW, look_seq=sessions.c.look_seq + 1, updated_at=utc_now())
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount
+
+    async def request_looks_at_open_calls(self) -> int:
+        """Ask for a look at every intake session with an open call and no look asked for:
+        what no webhook will come for (a result left to confirm, a crash's leftovers)."""
+        with_open = select(tool_calls.c.session_id).where(open_call_clause()).distinct()
+        statement = (
+            sessions.update()
+            .where(
+                sessions.c.intake.is_not(None),
+                sessions.c.look_requested_at.is_(None),
+                sessions.c.session_id.in_(with_open.scalar_subquery()),
+            )
+            .values(look_requested_at=utc_now(), look_seq=sessions.c.look_seq + 1, updated_at=utc_now())
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount
+
+    async def claim_looks(self, owner: str, limit: int, lease_seconds: float) -> list[LookClaim]:
+        """Take up to ``limit`` looks that are due and held by nobody, oldest asked first (on
+        PostgreSQL, SKIP LOCKED: racing replicas never take the same one)."""
+        if limit <= 0:
+            return []
+        due = and_(
+            sessions.c.look_requested_at <= utc_now(),
+            or_(sessions.c.look_expires_at.is_(None), sessions.c.look_expires_at < utc_now()),
+        )
+        candidates = (
+            select(sessions.c.session_id)
+            .where(due)
+            .order_by(sessions.c.look_requested_at, sessions.c.session_id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        statement = (
+            sessions.update()
+            .where(sessions.c.session_id.in_(candidates.scalar_subquery()), due)
+            .values(look_owner=owner, look_expires_at=utc_after(float(lease_seconds)))
+            .returning(sessions.c.session_id, sessions.c.look_seq, sessions.c.agent_id)
+        )
+        async with write_transaction(self.engine) as conn:
+            rows = (await conn.execute(statement)).all()
+        claims = [LookClaim(row.session_id, row.look_seq, row.agent_id) for row in rows]
+        return sorted(claims, key=lambda claim: claim.session_id)
+
+    async def finish_look(
+        self, claim: LookClaim, owner: str, *, again_in: float | None, agent_id: str | None = None
+    ) -> bool:
+        """Give the look back: done (nothing asked), or due again in ``again_in`` seconds (a
+        wait with a known end). Asked for again while it ran (``look_seq`` moved on), it stays
+        due now. False if the look was no longer ours (its lease ran out and another took it)."""
+        if again_in is not None:
+            after: Any = utc_after(max(float(again_in), 0.0))
+        else:
+            after = None
+        next_look = case(
+            (sessions.c.look_seq != claim.seq, sessions.c.look_requested_at),
+            else_=after,
+        )
+        statement = (
+            sessions.update()
+            .where(sessions.c.session_id == claim.session_id, sessions.c.look_owner == owner)
+            .values(
+                look_owner=None,
+                look_expires_at=None,
+                look_requested_at=next_look,
+                agent_id=func.coalesce(sessions.c.agent_id, agent_id),
+                updated_at=utc_now(),
+            )
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount == 1
+
+    async def release_looks(self, owner: str) -> int:
+        """Give back every look ``owner`` holds (still due): a stopping replica's, at once."""
+        statement = (
+            sessions.update()
+            .where(sessions.c.look_owner == owner)
+            .values(look_owner=None, look_expires_at=None)
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount
+
+    async def look_backlog(self) -> tuple[int, int]:
+        """Looks due now and not taken, and intake sessions in all."""
+        async with self.engine.connect() as conn:
+            due = (
+                await conn.execute(
+                    select(func.count()).where(
+                        sessions.c.look_requested_at <= utc_now(), sessions.c.look_owner.is_(None)
+                    )
+                )
+            ).scalar_one()
+            intake = (
+                await conn.execute(select(func.count()).where(sessions.c.intake.is_not(None)))
+            ).scalar_one()
+        return int(due), int(intake)
+
     # ---------------------------------------------------------------- replicas
 
     async def heartbeat_replica(
@@ -187,10 +346,12 @@ class SessionStore:
         pid: int,
         lease_seconds: float,
         handler_load: Mapping[str, int] | None = None,
+        intake_counts: Mapping[str, int] | None = None,
     ) -> None:
-        """Register the replica, or renew it; ``handler_load``: how its handlers stand now
-        (shown by `toolledger status`)."""
+        """Register the replica, or renew it; ``handler_load``: how its handlers stand now,
+        ``intake_counts``: its webhook intake's counts (both shown by `toolledger status`)."""
         load = None if handler_load is None else json.dumps(dict(handler_load), sort_keys=True)
+        counts = None if intake_counts is None else json.dumps(dict(intake_counts), sort_keys=True)
         insert = self._insert(replicas).values(
             replica_id=replica_id,
             hostname=hostname,
@@ -199,6 +360,7 @@ class SessionStore:
             heartbeat_at=utc_now(),
             expires_at=utc_after(float(lease_seconds)),
             handler_load=load,
+            intake_counts=counts,
         )
         upsert = insert.on_conflict_do_update(
             index_elements=[replicas.c.replica_id],
@@ -206,6 +368,7 @@ class SessionStore:
                 "heartbeat_at": utc_now(),
                 "expires_at": utc_after(float(lease_seconds)),
                 "handler_load": load,
+                "intake_counts": counts,
             },
         )
         async with write_transaction(self.engine) as conn:
@@ -234,6 +397,12 @@ class SessionStore:
                 sessions.update()
                 .where(sessions.c.owner.in_(ids))
                 .values(owner=None, lease_expires_at=None, updated_at=utc_now())
+            )
+            # Their looks are due again at once, not when the looks' leases run out.
+            await conn.execute(
+                sessions.update()
+                .where(sessions.c.look_owner.in_(ids))
+                .values(look_owner=None, look_expires_at=None)
             )
             return freed.rowcount
 
@@ -314,14 +483,19 @@ def _session(row: Row[Any]) -> SessionRecord:
 
 def _replica(row: Row[Any]) -> ReplicaRecord:
     fields = dict(row._mapping)
-    load = fields.pop("handler_load", None)
+    load = _counts(fields.pop("handler_load", None))
+    intake = _counts(fields.pop("intake_counts", None))
+    return ReplicaRecord(**fields, handler_load=load, intake_counts=intake)
+
+
+def _counts(stored: str | None) -> dict[str, int] | None:
     try:
-        parsed = json.loads(load) if load else None
+        parsed = json.loads(stored) if stored else None
     except ValueError:
         parsed = None  # written by no toolledger: shown as unknown, not trusted
     if not isinstance(parsed, dict):
-        return ReplicaRecord(**fields)
-    return ReplicaRecord(**fields, handler_load={str(k): v for k, v in parsed.items() if isinstance(v, int)})
+        return None
+    return {str(k): v for k, v in parsed.items() if isinstance(v, int)}
 
 
 __all__ = ["SessionStore"]
