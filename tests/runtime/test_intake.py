@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -273,3 +276,51 @@ def test_settings__listen_without_a_secret_or_an_agent__is_refused_with_the_reas
         Settings(listen="8080")
     with pytest.raises(ValueError, match="base64"):
         Settings(webhook_secret="whsec_!!!")  # noqa: S106 - a malformed secret, refused
+
+
+async def test_status__shows_the_intake_modes_webhook_counts_and_sweeps(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    agent_id = await new_agent(emulator)
+    async with intake_service(sqlite_url, emulator, agent_id, heartbeat_seconds=0.2) as service:
+        session_id = await new_session(emulator, agent_id)
+        await send(webhook_url(service), event("agent.session.action_required", session_id))
+        await send(
+            webhook_url(service), {"id": "e", "type": "agent.session.idle", "data": {}}, secret=OTHER_SECRET
+        )
+        await wait_until_idle(emulator, [session_id])
+        await eventually(
+            lambda: (service.status().intake_counts or {}).get("webhook_refused_bad_signature") == 1,
+            within=5,
+            what="the refusal counted",
+        )
+        await asyncio.sleep(
+            service.settings.session_lease_seconds / 3 + 0.5
+        )  # a heartbeat carries the counts
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "toolledger", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "TOOLLEDGER_DATABASE_URL": sqlite_url, "TOOLLEDGER_AGENT_IDS": agent_id},
+        )
+        text_form = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "toolledger", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "TOOLLEDGER_DATABASE_URL": sqlite_url, "TOOLLEDGER_AGENT_IDS": agent_id},
+        )
+
+    intake = json.loads(shown.stdout)["intake"]
+    assert intake["modes"] == ["watch", "agents"]
+    assert intake["webhooks_taken"] == 1
+    assert intake["counts"]["webhook_accepted"] == 1
+    assert intake["counts"]["webhook_refused_bad_signature"] == 1
+    assert intake["counts"]["look_reconciled"] >= 1
+    assert [sweep["agent_id"] for sweep in intake["sweeps"]] == [agent_id]
+    assert intake["sweeps"][0]["runs"] >= 1
+    assert "webhooks:   1 kept" in text_form.stdout
+    assert f"sweep:      {agent_id}: last" in text_form.stdout

@@ -677,6 +677,8 @@ def status(as_json: bool, replica_here: bool, database_url: str | None) -> None:
             click.echo(
                 f"sessions:   {report['watched_sessions']} watched, {report['unowned_sessions']} unfollowed"
             )
+            for line in _intake_lines(report["intake"]):
+                click.echo(line)
             calls = ", ".join(f"{k} {v}" for k, v in sorted(report["calls"].items())) or "none"
             click.echo(f"calls:      {calls}")
             if report["unconfirmed_calls"]:
@@ -699,6 +701,71 @@ def status(as_json: bool, replica_here: bool, database_url: str | None) -> None:
 
 
 STATUS_CALLS_SHOWN = 20
+
+
+async def _intake_report(
+    settings: Settings, runtime: Runtime, replicas: list[dict[str, Any]], now: datetime
+) -> dict[str, Any]:
+    """How sessions come in: the modes configured here, the webhook counts summed over the
+    live replicas, the looks due, and each agent's sweep (its last run and watermark)."""
+    looks_due, intake_sessions = await runtime.session_store().look_backlog()
+    counts: dict[str, int] = {}
+    for replica in replicas:
+        for name, count in (replica.get("intake") or {}).items():
+            counts[name] = counts.get(name, 0) + count
+    modes = ["watch"]
+    if settings.agent_ids:
+        modes.append("agents")
+    if settings.listen:
+        modes.append("webhooks")
+    sweeps = [
+        {
+            "agent_id": sweep.agent_id,
+            "runs": sweep.runs,
+            "last_run_age_seconds": None
+            if sweep.last_run_at is None
+            else max(0.0, (now - sweep.last_run_at).total_seconds()),
+            "last_found": sweep.last_found,
+            "watermark": sweep.watermark,
+            "last_error": sweep.last_error,
+        }
+        for sweep in await runtime.intake_store().sweeps()
+    ]
+    return {
+        "modes": modes,
+        "agent_ids": list(settings.agent_ids),
+        "intake_sessions": intake_sessions,
+        "looks_due": looks_due,
+        "webhooks_taken": await runtime.intake_store().deliveries_taken(),
+        "counts": counts,
+        "sweeps": sweeps,
+    }
+
+
+def _intake_lines(intake: dict[str, Any]) -> list[str]:
+    lines = [
+        f"intake:     {' + '.join(intake['modes'])}"
+        + (f" (agents {', '.join(intake['agent_ids'])})" if intake["agent_ids"] else "")
+        + f"; {intake['intake_sessions']} session(s) served by looks, {intake['looks_due']} look(s) due"
+    ]
+    counts = intake["counts"]
+    webhooks = {k.removeprefix("webhook_"): v for k, v in counts.items() if k.startswith("webhook_")}
+    if webhooks or intake["webhooks_taken"]:
+        shown = ", ".join(f"{name} {n}" for name, n in sorted(webhooks.items())) or "none since start"
+        lines.append(f"webhooks:   {intake['webhooks_taken']} kept; live replicas: {shown}")
+    for sweep in intake["sweeps"]:
+        age = sweep["last_run_age_seconds"]
+        when = "never" if age is None else f"{age:.0f}s ago"
+        error = f", last error: {sweep['last_error']}" if sweep["last_error"] else ""
+        mark = sweep["watermark"]
+        watermark = (
+            "none" if mark is None else datetime.fromtimestamp(mark, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        )
+        lines.append(
+            f"sweep:      {sweep['agent_id']}: last {when} (found {sweep['last_found'] or 0}), "
+            f"{sweep['runs']} run(s), watermark {watermark}{error}"
+        )
+    return lines
 
 
 async def _replicas_here(settings: Settings) -> str | None:
@@ -773,9 +840,11 @@ async def _status(settings: Settings) -> dict[str, Any]:
                 "heartbeat_age_seconds": max(0.0, (now - r.heartbeat_at).total_seconds()),
                 # Slots and threads as of that heartbeat; None from a replica that did not say.
                 "handlers": dict(r.handler_load) if r.handler_load is not None else None,
+                "intake": dict(r.intake_counts) if r.intake_counts is not None else None,
             }
             for r in await sessions_store.live_replicas()
         ]
+        report["intake"] = await _intake_report(settings, runtime, report["replicas"], now)
         report["watched_sessions"] = len(watched)
         report["unowned_sessions"] = len(watched) - sum(owners.values())
         ledger = runtime.ledger_store(actor="status")
