@@ -703,45 +703,6 @@ def status(as_json: bool, replica_here: bool, database_url: str | None) -> None:
 STATUS_CALLS_SHOWN = 20
 
 
-async def _intake_report(
-    settings: Settings, runtime: Runtime, replicas: list[dict[str, Any]], now: datetime
-) -> dict[str, Any]:
-    """How sessions come in: the modes configured here, the webhook counts summed over the
-    live replicas, the looks due, and each agent's sweep (its last run and watermark)."""
-    looks_due, intake_sessions = await runtime.session_store().look_backlog()
-    counts: dict[str, int] = {}
-    for replica in replicas:
-        for name, count in (replica.get("intake") or {}).items():
-            counts[name] = counts.get(name, 0) + count
-    modes = ["watch"]
-    if settings.agent_ids:
-        modes.append("agents")
-    if settings.listen:
-        modes.append("webhooks")
-    sweeps = [
-        {
-            "agent_id": sweep.agent_id,
-            "runs": sweep.runs,
-            "last_run_age_seconds": None
-            if sweep.last_run_at is None
-            else max(0.0, (now - sweep.last_run_at).total_seconds()),
-            "last_found": sweep.last_found,
-            "watermark": sweep.watermark,
-            "last_error": sweep.last_error,
-        }
-        for sweep in await runtime.intake_store().sweeps()
-    ]
-    return {
-        "modes": modes,
-        "agent_ids": list(settings.agent_ids),
-        "intake_sessions": intake_sessions,
-        "looks_due": looks_due,
-        "webhooks_taken": await runtime.intake_store().deliveries_taken(),
-        "counts": counts,
-        "sweeps": sweeps,
-    }
-
-
 def _intake_lines(intake: dict[str, Any]) -> list[str]:
     lines = [
         f"intake:     {' + '.join(intake['modes'])}"
@@ -798,6 +759,7 @@ def _handler_load_text(load: dict[str, int]) -> str:
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
+    from toolledger.audit.intake_report import intake_report
     from toolledger.domain.records import CallRecord
     from toolledger.domain.states import UNCONFIRMED_ALERT_AFTER, CallStatus
     from toolledger.runtime.composition import Runtime
@@ -844,7 +806,12 @@ async def _status(settings: Settings) -> dict[str, Any]:
             }
             for r in await sessions_store.live_replicas()
         ]
-        report["intake"] = await _intake_report(settings, runtime, report["replicas"], now)
+        report["intake"] = await intake_report(
+            settings,
+            sessions_store,
+            runtime.intake_store(),
+            [replica["intake"] for replica in report["replicas"]],
+        )
         report["watched_sessions"] = len(watched)
         report["unowned_sessions"] = len(watched) - sum(owners.values())
         ledger = runtime.ledger_store(actor="status")
