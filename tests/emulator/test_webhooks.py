@@ -30,7 +30,7 @@ from openai.types.webhooks import (
 from tests.emulator.processes import emulator_command, toolledger
 from tests.emulator.session_driver import first_pending_call, new_session, start_turn, submit, wait_for_status
 from tests.support.polling import eventually_sync
-from toolledger.emulator import EmulatorServer, Script, WebhookCounts
+from toolledger.emulator import EmulatorServer, Script, WebhookConfig, WebhookCounts
 
 SessionWebhookEvent = (
     AgentSessionCreatedWebhookEvent
@@ -492,6 +492,24 @@ def test_reset__turns_webhooks_set_through_the_control_api_off(
 
     assert emulator.control.webhooks()["url"] is None
     assert receiver.events() == []
+
+
+def test_emulator_server__start_up_webhooks__are_sent_and_restored_by_a_reset(receiver: Receiver) -> None:
+    config = WebhookConfig(url=receiver.url, secret=SECRET)
+    with (
+        EmulatorServer(webhooks=config) as server,
+        OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client,
+    ):
+        server.control.configure_webhooks(None, None)
+        new_session(client)
+        server.control.reset()
+        after_reset = new_session(client)
+        [delivery] = receiver.wait_for(1)
+        shown = server.control.webhooks()
+
+    assert delivery.event.data.id == after_reset
+    assert shown["url"] == receiver.url
+    assert shown["secret_set"] is True
 
 
 # -------------------------------------------------------------------- the CLI
