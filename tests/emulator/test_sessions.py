@@ -477,3 +477,55 @@ def test_list__after_a_reset__forgets_every_session(client: OpenAI, emulator: Em
     assert listed_ids(client) == []
     with pytest.raises(openai.NotFoundError):
         client.beta.agents.sessions.retrieve(session.id)
+
+
+async def _interleaved_sessions(sessions: Any, mine: str, other: str) -> list[str]:
+    """Sessions of ``mine`` (returned, in creation order) between sessions of ``other`` and
+    sessions without a saved agent, so a page of one agent skips the others'."""
+    created: list[str] = []
+    for n in range(5):
+        created.append((await sessions.create(environment={"type": "none"}, agent_id=mine)).id)
+        await sessions.create(environment={"type": "none"}, agent_id=other)
+        if n % 2:
+            await sessions.create(environment={"type": "none"}, agent={"model": "m"})
+    return created
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+async def test_list__by_agent_id__auto_paginates_over_that_agents_sessions_only(
+    async_client: AsyncOpenAI, order: Order
+) -> None:
+    agents = async_client.beta.agents
+    mine, other = (await agents.create(model="emulated")).id, (await agents.create(model="emulated")).id
+    created = await _interleaved_sessions(agents.sessions, mine, other)
+    expected = created if order == "asc" else created[::-1]
+
+    first = await agents.sessions.list(agent_id=mine, order=order, limit=2)
+    pages = [[s.id for s in first.data]]
+    page = first
+    while page.has_next_page():
+        page = await page.get_next_page()
+        pages.append([s.id for s in page.data])
+    walked = [s.id async for s in agents.sessions.list(agent_id=mine, order=order, limit=2)]
+
+    assert pages == [expected[0:2], expected[2:4], expected[4:5]]
+    assert walked == expected
+    assert all(s.agent.id == mine for s in first.data)
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+async def test_list__by_agent_id_after_a_cursor__continues_after_it(
+    async_client: AsyncOpenAI, order: Order
+) -> None:
+    agents = async_client.beta.agents
+    mine, other = (await agents.create(model="emulated")).id, (await agents.create(model="emulated")).id
+    created = await _interleaved_sessions(agents.sessions, mine, other)
+    expected = created if order == "asc" else created[::-1]
+
+    rest = await agents.sessions.list(agent_id=mine, order=order, after=expected[1], limit=100)
+    one_by_one = agents.sessions.list(agent_id=mine, order=order, after=expected[1], limit=1)
+    walked = [s.id async for s in one_by_one]
+
+    assert [s.id for s in rest.data] == expected[2:]
+    assert rest.has_more is False
+    assert walked == expected[2:]

@@ -79,8 +79,26 @@ def main() -> None:
     default="warning",
     show_default=True,
 )
+@click.option(
+    "--webhook-url",
+    default=None,
+    metavar="URL",
+    help="POST signed agent.session.* webhooks here, as the Agents API does (default: none).",
+)
+@click.option(
+    "--webhook-secret",
+    default=None,
+    metavar="whsec_...",
+    help="The secret webhooks are signed with (Standard Webhooks); needed with --webhook-url.",
+)
 def emulator(
-    host: str, port: int, api_key: str | None, script_options: tuple[str, ...], log_level: str
+    host: str,
+    port: int,
+    api_key: str | None,
+    script_options: tuple[str, ...],
+    log_level: str,
+    webhook_url: str | None,
+    webhook_secret: str | None,
 ) -> None:
     """Serve a local Agents API; prints the base URL to pass to OpenAI(base_url=...).
 
@@ -99,7 +117,9 @@ def emulator(
 
     The script format, with examples: docs/emulator.md in the toolledger repository.
     """
-    from toolledger.emulator import Script, serve
+    from pydantic import ValidationError
+
+    from toolledger.emulator import Script, WebhookConfig, serve
     from toolledger.emulator.script import load_script, script_option
 
     default_script: Script | None = None
@@ -118,6 +138,11 @@ def emulator(
             )
         else:
             default_script = script
+    try:
+        webhooks = WebhookConfig(url=webhook_url, secret=webhook_secret)
+    except ValidationError as error:
+        message = error.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+        raise click.BadParameter(message, param_hint="--webhook-url/--webhook-secret") from None
     serve(
         host=host,
         port=port,
@@ -125,6 +150,7 @@ def emulator(
         default_script=default_script,
         scripts=scripts,
         log_level=log_level,
+        webhooks=webhooks,
     )
 
 

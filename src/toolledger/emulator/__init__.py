@@ -23,6 +23,7 @@ from toolledger.emulator.faults import (
 from toolledger.emulator.script import SCRIPT_METADATA_KEY, Script, ScriptedCall, ScriptStep
 from toolledger.emulator.server import EmulatorServer, serve
 from toolledger.emulator.state import EmulatorState
+from toolledger.emulator.webhooks import WebhookConfig, WebhookCounts, WebhookFaults
 
 __all__ = [
     "ALREADY_ANSWERED_STYLES",
@@ -45,6 +46,9 @@ __all__ = [
     "ScriptStep",
     "ScriptedCall",
     "UnknownPending",
+    "WebhookConfig",
+    "WebhookCounts",
+    "WebhookFaults",
     "create_app",
     "serve",
 ]

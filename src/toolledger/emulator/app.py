@@ -33,6 +33,7 @@ from toolledger.emulator.inputs import (
 )
 from toolledger.emulator.script import Script
 from toolledger.emulator.state import EmulatorAPIError, EmulatorState, SubmissionOutcome
+from toolledger.emulator.webhooks import WebhookConfig
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """Larger request bodies get 413, as a front proxy would answer."""
@@ -64,6 +65,7 @@ SESSION_UPDATE_BODY: TypeAdapter[SessionUpdateBody] = TypeAdapter(SessionUpdateB
 FAIL_SESSION_BODY: TypeAdapter[FailSessionBody] = TypeAdapter(FailSessionBody)
 SCRIPT: TypeAdapter[Script] = TypeAdapter(Script)
 BEHAVIOUR: TypeAdapter[ApiBehaviour] = TypeAdapter(ApiBehaviour)
+WEBHOOK_CONFIG: TypeAdapter[WebhookConfig] = TypeAdapter(WebhookConfig)
 
 
 def create_app(state: EmulatorState | None = None, *, api_key: str | None = None) -> FastAPI:
@@ -74,6 +76,7 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         emulator.close()
+        await emulator.webhooks.aclose()
 
     app = FastAPI(title="toolledger Agents API emulator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.emulator = emulator
@@ -296,6 +299,21 @@ def create_app(state: EmulatorState | None = None, *, api_key: str | None = None
     async def set_behaviour(request: Request) -> dict[str, Any]:
         emulator.behaviour = parse(BEHAVIOUR, await read_body(request))
         return emulator.behaviour.model_dump()
+
+    def webhooks_shown() -> dict[str, Any]:
+        return {
+            **emulator.webhooks.config.public(),
+            "counts": emulator.webhooks.counts().model_dump(),
+        }
+
+    @app.get("/_emulator/webhooks")
+    async def get_webhooks() -> dict[str, Any]:
+        return webhooks_shown()
+
+    @app.put("/_emulator/webhooks")
+    async def set_webhooks(request: Request) -> dict[str, Any]:
+        emulator.webhooks.configure(parse(WEBHOOK_CONFIG, await read_body(request)))
+        return webhooks_shown()
 
     @app.put("/_emulator/scripts/{name}")
     async def register_script(name: str, request: Request) -> dict[str, str]:

@@ -21,6 +21,7 @@ from toolledger.emulator.faults import (
     UnknownPending,
 )
 from toolledger.emulator.script import Script
+from toolledger.emulator.webhooks import WebhookConfig, WebhookCounts, WebhookFaults
 
 
 class ReceivedToolResult(BaseModel):
@@ -148,6 +149,48 @@ class EmulatorControl:
 
     def duplicate_events(self, count: int | None = None, *, session_id: str | None = None) -> int:
         return self.arm(DuplicateEvents(count=count, session_id=session_id))
+
+    # webhooks
+    def configure_webhooks(
+        self,
+        url: str | None,
+        secret: str | None,
+        *,
+        drop: float = 0.0,
+        duplicate: float = 0.0,
+        reorder: float = 0.0,
+        delay_seconds: float = 0.0,
+        wrong_signature: float = 0.0,
+        seed: int | None = None,
+        give_up_after_seconds: float = 3600.0,
+    ) -> dict[str, Any]:
+        """Send ``agent.session.*`` webhooks to ``url`` signed with ``secret`` (``whsec_...``),
+        with these faults (probabilities, drawn from ``random.Random(seed)``); ``url`` None
+        stops sending. The counts start again. Returns the configuration as the emulator
+        shows it (without the secret)."""
+        config = WebhookConfig(
+            url=url,
+            secret=secret,
+            faults=WebhookFaults(
+                drop=drop,
+                duplicate=duplicate,
+                reorder=reorder,
+                delay_seconds=delay_seconds,
+                wrong_signature=wrong_signature,
+            ),
+            seed=seed,
+            give_up_after_seconds=give_up_after_seconds,
+        )
+        shown: dict[str, Any] = self._call("PUT", "/webhooks", config.model_dump(mode="json"))
+        return shown
+
+    def webhooks(self) -> dict[str, Any]:
+        """The webhook configuration (without the secret) and its ``counts``."""
+        shown: dict[str, Any] = self._call("GET", "/webhooks")
+        return shown
+
+    def webhook_counts(self) -> WebhookCounts:
+        return WebhookCounts.model_validate(self.webhooks()["counts"])
 
     # sessions
     def fail_session(self, session_id: str, message: str | None = None) -> None:

@@ -15,6 +15,7 @@ from toolledger.emulator.app import create_app
 from toolledger.emulator.control import EmulatorControl
 from toolledger.emulator.script import Script
 from toolledger.emulator.state import KEEPALIVE_SECONDS, EmulatorState
+from toolledger.emulator.webhooks import WebhookConfig
 
 _INTENDED_DROP = "ASGI callable returned without completing response."
 
@@ -87,13 +88,15 @@ def serve(
     default_script: Script | None = None,
     scripts: dict[str, Script] | None = None,
     log_level: str = "warning",
+    webhooks: WebhookConfig | None = None,
 ) -> None:
     """Serve in the foreground until SIGTERM or SIGINT; print the base URL first.
 
-    ``scripts``: named scripts, selected by the metadata key ``emulator_script``."""
+    ``scripts``: named scripts, selected by the metadata key ``emulator_script``;
+    ``webhooks``: where session webhooks go from the start."""
     sock = bind(host, port)
     print(base_url_of(sock), flush=True)
-    state = EmulatorState(default_script=default_script, scripts=scripts)
+    state = EmulatorState(default_script=default_script, scripts=scripts, webhooks=webhooks)
     server = _server(sock, state, api_key, log_level)
     server.run(sockets=[sock])
 
@@ -115,15 +118,20 @@ class EmulatorServer:
         scripts: dict[str, Script] | None = None,
         log_level: str = "warning",
         keepalive_seconds: float = KEEPALIVE_SECONDS,
+        webhooks: WebhookConfig | None = None,
     ) -> None:
         """``scripts``: named scripts, selected by the metadata key ``emulator_script``;
-        ``keepalive_seconds``: how long a stream stays silent before a keep-alive comment."""
+        ``keepalive_seconds``: how long a stream stays silent before a keep-alive comment;
+        ``webhooks``: the start-up webhook configuration, which a reset restores."""
         self._sock = bind(host, port)
         self.base_url = base_url_of(self._sock)
         self._server = _server(
             self._sock,
             EmulatorState(
-                default_script=default_script, scripts=scripts, keepalive_seconds=keepalive_seconds
+                default_script=default_script,
+                scripts=scripts,
+                keepalive_seconds=keepalive_seconds,
+                webhooks=webhooks,
             ),
             api_key,
             log_level,

@@ -48,6 +48,7 @@ from toolledger.emulator.inputs import (
     message_text,
 )
 from toolledger.emulator.script import SCRIPT_METADATA_KEY, Script, ToolOutcome, final_answer
+from toolledger.emulator.webhooks import WebhookConfig, WebhookSender
 
 log = logging.getLogger("toolledger.emulator")
 
@@ -318,9 +319,10 @@ class EmulatorState:
         default_script: Script | None = None,
         scripts: dict[str, Script] | None = None,
         keepalive_seconds: float = KEEPALIVE_SECONDS,
+        webhooks: WebhookConfig | None = None,
     ) -> None:
-        """``default_script`` and ``scripts`` (by name) are the start-up ones: a reset
-        restores them, as it forgets what was set later."""
+        """``default_script``, ``scripts`` (by name) and ``webhooks`` are the start-up ones:
+        a reset restores them, as it forgets what was set later."""
         self.sessions: dict[str, Session] = {}
         self.agents: dict[str, StoredAgent] = {}
         self.keepalive_seconds = keepalive_seconds
@@ -331,6 +333,7 @@ class EmulatorState:
         self.faults = FaultBoard()
         self.behaviour = ApiBehaviour()
         self.receipts: list[ToolResultReceipt] = []
+        self.webhooks = WebhookSender(webhooks)
         self._idempotent: dict[str, _StoredResponse] = {}
         self._seq = itertools.count()
         self._closed = False
@@ -449,6 +452,9 @@ class EmulatorState:
             subscriber = Subscriber(session.id, obfuscate=True, ends_with_turn=True)
             session.subscribers.append(subscriber)
             self._emit(session, "agent.session.created", session=session.json())
+        else:
+            # Not on any stream (none can be open yet), but a webhook all the same.
+            self.webhooks.session_event("agent.session.created", session.json())
         if body.input is not None:
             self._start_turn(session, _as_messages(body.input))
         return session, subscriber
@@ -894,6 +900,10 @@ class EmulatorState:
 
     def _emit(self, target: Session, event_type: str, /, **fields: Any) -> None:
         payload = wire.event(event_type, **fields)
+        if "session" in fields:
+            # Every change of a session's status passes here: the sender picks the ones
+            # with a webhook (created, in_progress, requires_action, idle, failed).
+            self.webhooks.session_event(event_type, fields["session"])
         copies = 2 if self.faults.take(DuplicateEvents, target.id) is not None else 1
         for subscriber in list(target.subscribers):
             for _ in range(copies):
@@ -964,10 +974,12 @@ class EmulatorState:
         self.behaviour = ApiBehaviour()
         self.receipts.clear()
         self._idempotent.clear()
+        self.webhooks.reset()
 
     def close(self) -> None:
         """End every stream, as a shutting-down server does."""
         self._closed = True
+        self.webhooks.close()
         for session in self.sessions.values():
             for task in session.tasks:
                 task.cancel()
