@@ -324,3 +324,39 @@ async def test_status__shows_the_intake_modes_webhook_counts_and_sweeps(
     assert intake["sweeps"][0]["runs"] >= 1
     assert "webhooks:   1 kept" in text_form.stdout
     assert f"sweep:      {agent_id}: last" in text_form.stdout
+
+
+async def test_emulator_webhooks__every_step_of_unregistered_sessions__answered_once(
+    database_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    """The emulator signs and sends every agent.session.* event as the API does, duplicating
+    a fifth of them: each step of each session is answered once, through the webhooks alone
+    (the sweep is an hour away)."""
+    agent_id = await new_agent(emulator)
+    async with intake_service(database_url, emulator, agent_id) as service:
+        emulator.control.configure_webhooks(webhook_url(service), SECRET, duplicate=0.2, seed=11)
+        session_ids = [await new_session(emulator, agent_id, TWO_STEPS) for _ in range(4)]
+        await wait_until_idle(emulator, session_ids, within=30)
+        # The idle events' webhooks may still be on their way: counted once all arrived.
+        await eventually(
+            lambda: emulator.control.webhook_counts().pending == 0, within=20, what="webhooks sent"
+        )
+        counts = service.status().intake_counts or {}
+
+    assert_exactly_once(emulator, session_ids, effects_file, 2)
+    assert counts.get("webhook_duplicate", 0) == emulator.control.webhook_counts().duplicated
+    assert counts["webhook_accepted"] >= 4 * 2, "each step's action_required was taken"
+
+
+async def test_emulator_webhooks__all_dropped__the_sweep_answers(
+    sqlite_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    agent_id = await new_agent(emulator)
+    async with intake_service(sqlite_url, emulator, agent_id, sweep_seconds=0.5) as service:
+        emulator.control.configure_webhooks(webhook_url(service), SECRET, drop=1.0, seed=3)
+        session_id = await new_session(emulator, agent_id, TWO_STEPS)
+        await wait_until_idle(emulator, [session_id], within=30)
+        counts = service.status().intake_counts or {}
+
+    assert_exactly_once(emulator, [session_id], effects_file, 2)
+    assert "webhook_accepted" not in counts, "no webhook arrived: the sweep found both steps"

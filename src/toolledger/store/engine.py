@@ -290,7 +290,9 @@ def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(utc_after, "sqlite")
 def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', '+' || ({seconds}) || ' seconds')"
+    # printf's sign, not a '+' prefix: '+-3600 seconds' is no modifier, and the whole time was
+    # NULL for every time in the past (a sweep due again, long-dead replicas' rows).
+    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', printf('%+.6f seconds', {seconds}))"
 
 
 class seconds_until(expression.FunctionElement[float]):
