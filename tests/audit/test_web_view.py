@@ -753,3 +753,103 @@ async def test_web_view__a_call_whose_content_was_changed_by_sql__says_so_above_
                 untouched.idempotency_key
             )
             await playwright_api.expect(banner).to_be_hidden()
+
+
+# ------------------------------------------------------------------ the intake
+
+
+INTAKE_AGENTS = "agent_billing,agent_support"
+HOSTILE_SESSION = 'sess_<b id="pwn">x</b>'
+"""A webhook's data.id is the sender's text: shown as text, like every ledger value."""
+
+
+async def _intake_ledger(url: str) -> None:
+    """What the intake writes, through its own stores: two sessions found by a sweep (one
+    looked at now), one brought by a webhook (sent twice), one registered; each agent's sweep
+    run once (one failed); two live replicas' counts."""
+    from toolledger.store.engine import create_engine
+    from toolledger.store.intake import IntakeStore
+    from toolledger.store.sessions import SessionStore
+
+    engine = create_engine(url)
+    try:
+        sessions, intake = SessionStore(engine), IntakeStore(engine)
+        await sessions.request_looks(["sess_swept"], intake="sweep", agent_id="agent_billing")
+        await intake.take_webhook("wh_1", "agent.session.requires_action", HOSTILE_SESSION, look=True)
+        await intake.take_webhook("wh_1", "agent.session.requires_action", HOSTILE_SESSION, look=True)
+        await sessions.watch("sess_registered")
+        (held,) = await sessions.claim_looks("replica_a", 1, lease_seconds=3600)
+        assert held.session_id == "sess_swept"
+        billing = await intake.claim_sweep("agent_billing", "replica_a", every_seconds=0, lease_seconds=60)
+        support = await intake.claim_sweep("agent_support", "replica_b", every_seconds=0, lease_seconds=60)
+        assert billing is not None
+        assert support is not None
+        await intake.finish_sweep(billing, "replica_a", watermark=1_767_225_600, found=1)
+        await intake.finish_sweep(support, "replica_b", watermark=None, found=0, error=HOSTILE)
+        for replica, counts in (
+            ("replica_a", {"webhook_accepted": 3, "webhook_refused_bad_signature": 2}),
+            ("replica_b", {"webhook_accepted": 1, "webhook_duplicate": 1}),
+        ):
+            await sessions.heartbeat_replica(
+                replica, hostname="web-test", pid=1, lease_seconds=3600, intake_counts=counts
+            )
+    finally:
+        await engine.dispose()
+
+
+async def test_web_view__the_sessions_page_shows_the_intake_and_how_each_session_came(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.sqlite3'}"
+    migrate.upgrade(url)
+    await _intake_ledger(url)
+    env = {
+        **os.environ,
+        "TOOLLEDGER_DATABASE_URL": url,
+        "TOOLLEDGER_API_READ_TOKENS": f'{{"auditor": "{READER}"}}',
+        "TOOLLEDGER_AGENT_IDS": INTAKE_AGENTS,
+        "TOOLLEDGER_LISTEN": "127.0.0.1:8780",
+    }
+    env.pop("TOOLLEDGER_API_TOKENS", None)
+    with api_process(env, tmp_path / "api.log") as api:
+        async with browser_page(api) as page:
+            await _use_token(page, READER)
+            await page.get_by_test_id("nav-sessions").click()
+            box = page.get_by_test_id("intake")
+            await playwright_api.expect(box).to_be_visible()
+            expect_text = playwright_api.expect
+            await expect_text(page.get_by_test_id("intake-modes")).to_have_text("watch + agents + webhooks")
+            await expect_text(page.get_by_test_id("intake-agents")).to_have_text(
+                "agent_billing, agent_support"
+            )
+            await expect_text(page.get_by_test_id("intake-looks")).to_contain_text("1 due; 2 session(s)")
+            webhooks = page.get_by_test_id("intake-webhooks")
+            await expect_text(webhooks).to_contain_text("accepted 4, duplicate 1")
+            await expect_text(webhooks).to_contain_text("refused: bad_signature 2")
+            await expect_text(webhooks).to_contain_text("1 id(s) kept")
+            sweeps = page.get_by_test_id("intake-sweep")
+            await expect_text(sweeps).to_have_count(2)
+            billing = sweeps.and_(page.locator("[data-agent-id=agent_billing]"))
+            await expect_text(billing).to_contain_text("s ago, found 1, watermark 2026-01-01 00:00:00 UTC")
+            support = sweeps.and_(page.locator("[data-agent-id=agent_support]"))
+            await expect_text(support).to_contain_text("last run ")
+            await expect_text(support.get_by_test_id("intake-sweep-error")).to_contain_text(HOSTILE)
+
+            # The Came-by column and the agent, one row each.
+            await page.get_by_test_id("session-row").first.wait_for()
+            came = await page.eval_on_selector_all(
+                "[data-testid=session-row]",
+                """rows => Object.fromEntries(rows.map(r => [r.dataset.sessionId, [
+                    r.querySelector('[data-testid=came-by]').dataset.cameBy,
+                    r.querySelector('[data-testid=agent-id]').textContent,
+                    Boolean(r.querySelector('[data-testid=looking]')),
+                ]]))""",
+            )
+            assert came == {
+                "sess_swept": ["sweep", "agent_billing", True],
+                HOSTILE_SESSION: ["webhook", "", False],
+                "sess_registered": ["watched", "", False],
+            }
+            # Markup in a session id or an error is text: nothing of it became an element.
+            assert await page.locator("#pwn").count() == 0
+            assert await page.evaluate("window.__pwned") is None

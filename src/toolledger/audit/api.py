@@ -69,7 +69,7 @@ from toolledger.audit.service import (
     ResolveAction,
 )
 from toolledger.audit.trail import TrailReport
-from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, SessionView
+from toolledger.audit.views import CallCountsView, CallDetail, CallPage, CallView, IntakeView, SessionView
 from toolledger.domain.queries import (
     DEFAULT_PAGE,
     MAX_FILTER_CHARS,
@@ -606,8 +606,20 @@ def _add_routes(app: FastAPI) -> None:
             "Stop following it",
             (404, 413),
         ),
+        (
+            "GET",
+            "/api/intake",
+            show_intake,
+            IntakeView,
+            "How sessions come in: intake modes, looks due, webhook counts, each agent's sweep",
+            (),
+        ),
     ]
-    described = {"/api/bulk/resolve": BULK_DESCRIPTION, "/api/calls/{ref:path}/resolve": RERUN_ACCEPTED}
+    described = {
+        "/api/bulk/resolve": BULK_DESCRIPTION,
+        "/api/calls/{ref:path}/resolve": RERUN_ACCEPTED,
+        "/api/intake": INTAKE_DESCRIPTION,
+    }
     accepted: dict[str, dict[int | str, dict[str, Any]]] = {
         "/api/calls/{ref:path}/resolve": {
             202: {
@@ -1073,6 +1085,18 @@ async def unwatch_session(
     await audit.unwatch(_session_id(session_id), f"{body.reason} (by {principal.name})")
     log.info("session %r unwatched by %s", session_id, principal.name)
     return await audit.session(session_id)
+
+
+INTAKE_DESCRIPTION = (
+    "What `toolledger status` reports of the intake. The modes and agent ids are this API's own "
+    "configuration (TOOLLEDGER_AGENT_IDS, TOOLLEDGER_LISTEN): give it the same as `serve`'s. The "
+    "looks, kept webhook ids and sweeps are read from the ledger; the counts are each live "
+    "replica's since it started, as its last heartbeat carried them, summed."
+)
+
+
+async def show_intake(_principal: Reader, audit: Audit) -> IntakeView:
+    return await audit.intake()
 
 
 REPEATABLE = frozenset({"tool", "status", "outcome", "effect_class"})

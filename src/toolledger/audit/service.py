@@ -30,16 +30,19 @@ from toolledger.audit.exports import (
     exported_call,
     read_export,
 )
+from toolledger.audit.intake_report import intake_report
 from toolledger.audit.trail import ExportReport, TrailCheck, TrailReport, tally, trail_state
 from toolledger.audit.views import (
     CallCountsView,
     CallDetail,
     CallPage,
     CallView,
+    IntakeView,
     SessionView,
     call_view,
     counts_view,
     event_view,
+    intake_view,
     masked_json,
     session_view,
 )
@@ -433,6 +436,18 @@ class AuditService:
         if not found:
             raise CallNotFoundError(f"no session {session_id!r} in the ledger")
         return session_view(found[0], self.redactor)
+
+    async def intake(self) -> IntakeView:
+        """How sessions come in, as `toolledger status` reports it: the webhook counts are
+        those the live replicas' last heartbeats carried (a dead replica's are gone with it)."""
+        replicas = await self.sessions.live_replicas()
+        report = await intake_report(
+            self.settings,
+            self.sessions,
+            self.runtime.intake_store(),
+            [replica.intake_counts for replica in replicas],
+        )
+        return intake_view(report, self.redactor)
 
     async def watch(self, session_id: str) -> bool:
         return await self.sessions.watch(session_id)

@@ -134,6 +134,44 @@ class SessionView(BaseModel):
     reason: str | None
     last_polled_at: Utc | None
     calls: dict[str, int]
+    intake: str | None = Field(
+        description="How it came without registration: a signed webhook, or the sweep of its "
+        "agent's sessions (then `serve` looks at it when asked, with no stream to follow); null: "
+        "registered (watched)."
+    )
+    agent_id: str | None = Field(description="The agent it belongs to, once known (intake sessions).")
+    looking: bool = Field(
+        description="A replica is looking at it now (holds its look, on the database's clock)."
+    )
+
+
+class SweepView(BaseModel):
+    agent_id: str
+    runs: int = Field(description="Sweeps of this agent's sessions run so far.")
+    last_run_age_seconds: float | None = Field(description="Since the last sweep ended; null: never run.")
+    last_found: int | None = Field(description="Sessions the last sweep asked a look for.")
+    watermark: int | None = Field(
+        description="Unix seconds (UTC): the newest session creation a sweep has seen; the next "
+        "sweep pages down to it (less an overlap). Null: no sweep has seen a session yet."
+    )
+    last_error: str | None = Field(description="Why the last sweep failed (masked); null: it did not.")
+
+
+class IntakeView(BaseModel):
+    modes: list[str] = Field(
+        description="watch: registered sessions are followed (always); agents: the configured "
+        "agents' sessions are swept; webhooks: signed webhooks are taken (`serve --listen`)."
+    )
+    agent_ids: list[str] = Field(description="The agents whose sessions are served without registration.")
+    intake_sessions: int = Field(description="Sessions that came by webhook or sweep, in all.")
+    looks_due: int = Field(description="Looks asked for, due now, and held by no replica.")
+    webhooks_taken: int = Field(description="Webhook ids kept (for deduplication, 7 days).")
+    counts: dict[str, int] = Field(
+        description="The live replicas' intake counts since each started, summed (the load "
+        "balancer spreads webhooks over them): webhook_<outcome> (accepted, duplicate, ignored, "
+        "unavailable, refused_<reason>) and look_<result>."
+    )
+    sweeps: list[SweepView] = Field(description="Each agent's sweep, by agent id.")
 
 
 SUBMISSION_EVENT_KINDS = frozenset({"submission", "submission_failed", "resubmission", "confirmed"})
@@ -212,6 +250,22 @@ def session_view(summary: SessionSummary, redactor: Redactor) -> SessionView:
         reason=_text(summary.reason, redactor),
         last_polled_at=summary.last_polled_at,
         calls=summary.calls,
+        intake=summary.intake,
+        agent_id=summary.agent_id,
+        looking=summary.looking,
+    )
+
+
+def intake_view(report: dict[str, Any], redactor: Redactor) -> IntakeView:
+    """``audit.intake_report``'s report as the API answers it; a sweep's error masked again
+    with today's configuration (it was masked when written)."""
+    return IntakeView.model_validate(
+        {
+            **report,
+            "sweeps": [
+                {**sweep, "last_error": _text(sweep["last_error"], redactor)} for sweep in report["sweeps"]
+            ],
+        }
     )
 
 

@@ -89,6 +89,11 @@ class SessionSummary:
     reason: str | None
     last_polled_at: datetime | None
     calls: dict[str, int]
+    intake: str | None
+    """How it came without registration (``webhook``, ``sweep``); None: registered (watched)."""
+    agent_id: str | None
+    looking: bool
+    """A replica holds a look at it now (its look lease runs on the database's clock)."""
 
 
 @uninterrupted_on_sqlite
@@ -229,8 +234,13 @@ class AuditStore:
         self, session_ids: Sequence[str] | None = None, *, watched: bool | None = None, limit: int = 100
     ) -> list[SessionSummary]:
         """Watched (or once watched) sessions with their calls counted by status."""
+        # Judged by the database's clock, as the look's lease was taken (claim_looks): the
+        # reader's clock may be off from the replicas'.
+        looking = and_(sessions.c.look_owner.is_not(None), sessions.c.look_expires_at > utc_now())
         statement = (
-            select(sessions).order_by(sessions.c.created_at.desc(), sessions.c.session_id).limit(limit)
+            select(sessions, looking.label("looking_now"))
+            .order_by(sessions.c.created_at.desc(), sessions.c.session_id)
+            .limit(limit)
         )
         if session_ids is not None:
             statement = statement.where(sessions.c.session_id.in_(list(session_ids)))
@@ -264,6 +274,9 @@ class AuditStore:
                     reason=row.reason if row is not None else None,
                     last_polled_at=row.last_polled_at if row is not None else None,
                     calls=counts[session_id],
+                    intake=row.intake if row is not None else None,
+                    agent_id=row.agent_id if row is not None else None,
+                    looking=bool(row.looking_now) if row is not None else False,
                 )
             )
         return summaries

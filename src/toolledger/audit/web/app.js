@@ -1,6 +1,6 @@
 // The audit web view: lists calls through /api/calls (with their counts from /api/counts),
 // opens one call's timeline, resolves unknown calls (one, or all the filters select), approves
-// or denies calls awaiting approval, lists sessions. Every value from the ledger is attacker-controlled text (tool
+// or denies calls awaiting approval, lists sessions (with how they come in: /api/intake). Every value from the ledger is attacker-controlled text (tool
 // arguments, outputs): it is only ever put on the page with textContent, never parsed as HTML.
 //
 // Where the view is lives in the URL: the filters in the query string, the open call or the
@@ -691,10 +691,87 @@ function leaseOf(session) {
   return session.owner;
 }
 
+// A sweep's watermark (Unix seconds) as `toolledger status` shows it.
+function utcSeconds(seconds) {
+  if (seconds === null || seconds === undefined) return "none";
+  return new Date(seconds * 1000).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+}
+
+function fact(list, term, text, testid) {
+  const dt = document.createElement("dt");
+  dt.textContent = term;
+  const dd = document.createElement("dd");
+  dd.textContent = text;
+  dd.dataset.testid = testid;
+  list.append(dt, dd);
+  return dd;
+}
+
+// The webhook counts of the live replicas: accepted and duplicate first, then the rest
+// (ignored, unavailable), then the refusals by reason.
+function webhookText(counts, taken) {
+  const outcomes = {};
+  const refused = [];
+  for (const [name, n] of Object.entries(counts).sort()) {
+    if (!name.startsWith("webhook_")) continue;
+    const outcome = name.slice("webhook_".length);
+    if (outcome.startsWith("refused_")) refused.push(`${outcome.slice("refused_".length)} ${n}`);
+    else outcomes[outcome] = n;
+  }
+  const parts = [`accepted ${outcomes.accepted || 0}`, `duplicate ${outcomes.duplicate || 0}`];
+  for (const [outcome, n] of Object.entries(outcomes)) {
+    if (!["accepted", "duplicate"].includes(outcome)) parts.push(`${outcome} ${n}`);
+  }
+  parts.push(refused.length ? `refused: ${refused.join(", ")}` : "refused 0");
+  return `${parts.join(", ")} (live replicas, since each started); ${taken} id(s) kept`;
+}
+
+// Whole seconds under a minute (a sweep runs every few minutes: no milliseconds), then as
+// other ages are shown.
+function sweepAge(seconds) {
+  if (seconds === null || seconds === undefined) return "never";
+  return seconds < 60 ? `${Math.round(seconds)} s ago` : `${span(seconds)} ago`;
+}
+
+function renderIntake(intake) {
+  const facts = $("intake-facts");
+  facts.replaceChildren();
+  fact(facts, "Modes", intake.modes.join(" + "), "intake-modes");
+  fact(facts, "Agents", intake.agent_ids.length ? intake.agent_ids.join(", ") : "none", "intake-agents");
+  fact(
+    facts,
+    "Looks",
+    `${intake.looks_due} due; ${intake.intake_sessions} session(s) came by webhook or sweep`,
+    "intake-looks",
+  );
+  const hasWebhooks = intake.modes.includes("webhooks") || intake.webhooks_taken > 0 ||
+    Object.keys(intake.counts).some((name) => name.startsWith("webhook_"));
+  if (hasWebhooks) fact(facts, "Webhooks", webhookText(intake.counts, intake.webhooks_taken), "intake-webhooks");
+  const sweeps = $("intake-sweeps");
+  sweeps.replaceChildren();
+  for (const sweep of intake.sweeps) {
+    const item = document.createElement("li");
+    item.dataset.testid = "intake-sweep";
+    item.dataset.agentId = sweep.agent_id;
+    item.textContent = `sweep ${sweep.agent_id}: last run ${sweepAge(sweep.last_run_age_seconds)}, ` +
+      `found ${sweep.last_found || 0}, watermark ${utcSeconds(sweep.watermark)}, ${sweep.runs} run(s)`;
+    if (sweep.last_error) {
+      const error = document.createElement("span");
+      error.className = "sweep-error";
+      error.dataset.testid = "intake-sweep-error";
+      error.textContent = `; last error: ${sweep.last_error}`;
+      item.appendChild(error);
+    }
+    sweeps.appendChild(item);
+  }
+  $("intake").hidden = false;
+}
+
 async function loadSessions({ quiet = false } = {}) {
   if (!quiet) clearError();
   try {
-    const sessions = await api("/api/sessions?limit=500");
+    const [sessions, intake] = await Promise.all([api("/api/sessions?limit=500"), api("/api/intake")]);
+    renderIntake(intake);
     const body = $("session-rows");
     body.replaceChildren();
     for (const session of sessions) {
@@ -723,6 +800,20 @@ async function loadSessions({ quiet = false } = {}) {
         mark.textContent = `${waiting} need${waiting === 1 ? "s" : ""} a person: `;
         calls.prepend(mark);
       }
+      // Registered sessions are watched; the others came by a webhook or the sweep (and are
+      // looked at when asked, with no stream to follow). Never watched and neither: unknown.
+      const cameBy = session.intake || (session.watched === null ? "" : "watched");
+      const came = cell(row, cameBy, "came-by");
+      came.dataset.testid = "came-by";
+      came.dataset.cameBy = cameBy;
+      if (session.looking) {
+        const looking = document.createElement("span");
+        looking.className = "looking";
+        looking.dataset.testid = "looking";
+        looking.textContent = " (looking now)";
+        came.appendChild(looking);
+      }
+      cell(row, session.agent_id, "id agent").dataset.testid = "agent-id";
       cell(row, session.reason, "reason");
       const open = (event) => {
         event.preventDefault();
@@ -807,6 +898,8 @@ function init() {
     $("rows").replaceChildren();
     $("counts").replaceChildren();
     $("detail").hidden = true;
+    $("session-rows").replaceChildren();
+    $("intake").hidden = true;
   });
   showOperatorFields();
   $("filters").addEventListener("submit", (event) => {
