@@ -512,3 +512,32 @@ def test_compose__commands_run_outside_docker(
     )
     assert gone.returncode == 1, "a host whose serve stopped is not healthy, whatever the database"
     assert "no live replica of" in gone.stdout
+
+
+def test_deploying_doc__names_real_events_settings_and_files() -> None:
+    """docs/deploying.md against what it describes: the SDK's session events, toolledger's
+    variables, the files it links to."""
+    import openai
+
+    from toolledger.runtime.webhook_intake import LOOK_EVENTS, PATH
+    from toolledger.settings_reference import options
+
+    doc = (ROOT / "docs" / "deploying.md").read_text(encoding="utf-8")
+    events = Path(openai.__file__).parent / "types" / "webhooks"
+    sdk_events = {
+        match
+        for path in events.glob("agent_session_*_webhook_event.py")
+        for match in re.findall(r'type: Literal\["(agent\.session\.[a-z_]+)"\]', path.read_text("utf-8"))
+    }
+    assert sdk_events >= LOOK_EVENTS
+    for event in sdk_events:
+        assert f"`{event}`" in doc, event
+    assert f"https://<your host>{PATH}" in doc
+    known = {option.variable for option in options()} | {"TOOLLEDGER_TOOLS", "TOOLLEDGER_WEBHOOK_PORT"}
+    named = set(re.findall(r"TOOLLEDGER_[A-Z_]+", doc))
+    assert named <= known, named - known
+    compose_text = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert "${TOOLLEDGER_WEBHOOK_PORT:-8090}" in compose_text
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc):
+        if "://" not in target:
+            assert (ROOT / "docs" / target).resolve().exists(), target
