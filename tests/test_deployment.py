@@ -5,6 +5,7 @@ outside containers, against PostgreSQL and the emulator, as they would in them."
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,11 @@ import pytest
 from tests.support.paths import ROOT
 from tests.support.polling import eventually_sync
 from toolledger.cli import main
+from toolledger.settings import Settings
 
 yaml = pytest.importorskip("yaml")
 
-_VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?::[-?](?P<default>[^}]*))?\}")
+_VARIABLE = re.compile(r"\$\{(?P<name>\w+)(?:(?P<operator>:[-?+])(?P<default>[^}]*))?\}")
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +39,17 @@ def compose() -> dict[str, Any]:
 
 
 def _resolved(text: str, environment: dict[str, str]) -> str:
-    """Compose's ${NAME:-default} / ${NAME:?message}, from ``environment``."""
+    """Compose's ${NAME}, ${NAME:-default}, ${NAME:?message} and ${NAME:+replacement}, from
+    ``environment`` (unset and empty alike, as the colon forms mean)."""
 
     def value(match: re.Match[str]) -> str:
-        name = match["name"]
-        if name in environment:
-            return environment[name]
-        if match.group(0).startswith(f"${{{name}:?"):
+        name, operator, word = match["name"], match["operator"], match["default"] or ""
+        given = environment.get(name, "")
+        if operator == ":+":
+            return word if given else ""
+        if operator == ":?" and not given:
             raise AssertionError(f"{name} is required by the compose file")
-        return match["default"] or ""
+        return given or (word if operator == ":-" else "")
 
     return _VARIABLE.sub(value, text)
 
@@ -97,6 +102,210 @@ def test_compose__no_variable_is_required_and_no_key_is_made_up() -> None:
     assert "sk-" not in text.replace("OPENAI_API_KEY=sk-...", "")
 
 
+_LISTEN_PORT = 8090
+"""Where each serve replica takes webhooks in the compose file, and where the balancer sends them."""
+_NGINX_CONFIG = "deploy/nginx-webhooks.conf"
+
+
+@dataclass
+class _Directive:
+    name: str
+    args: list[str]
+    block: list[_Directive] | None = None
+
+    def all(self, name: str) -> list[_Directive]:
+        return [child for child in self.block or [] if child.name == name]
+
+    def one(self, name: str) -> _Directive:
+        found = self.all(name)
+        assert len(found) == 1, f"{self.name} {' '.join(self.args)}: {len(found)} {name} directive(s)"
+        return found[0]
+
+
+_NGINX_TOKEN = re.compile(r"""\s+|#[^\n]*|"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[{};]|[^\s{};"'#]+""")
+
+
+def _nginx(text: str) -> _Directive:
+    """An nginx configuration file as a tree of directives, checked as nginx's own parser
+    would at the level of syntax: every directive ends in ``;`` or opens a block, every
+    block is closed, quotes are closed (an unknown directive is not detected here)."""
+    pieces: list[str] = []
+    position = 0
+    while position < len(text):
+        match = _NGINX_TOKEN.match(text, position)
+        assert match is not None, f"unreadable from {text[position : position + 40]!r}"
+        position = match.end()
+        piece = match.group(0)
+        if not piece.isspace() and not piece.startswith("#"):
+            pieces.append(piece[1:-1] if piece[0] in "\"'" else piece)
+    root = _Directive("(file)", [], [])
+    open_blocks: list[tuple[_Directive, list[_Directive]]] = [(root, [])]
+    words: list[str] = []
+    for piece in pieces:
+        children = open_blocks[-1][1]
+        if piece == ";":
+            assert words, "an empty directive (a stray ;)"
+            children.append(_Directive(words[0], words[1:]))
+            words = []
+        elif piece == "{":
+            assert words, "a block without a directive"
+            block = _Directive(words[0], words[1:], [])
+            children.append(block)
+            open_blocks.append((block, []))
+            words = []
+        elif piece == "}":
+            assert not words, f"{' '.join(words)}: no ; before }}"
+            assert len(open_blocks) > 1, "a } that closes nothing"
+            closed, its_children = open_blocks.pop()
+            closed.block = its_children
+        else:
+            words.append(piece)
+    assert not words, f"{' '.join(words)}: no ; at the end of the file"
+    unclosed = open_blocks[-1][0]
+    assert len(open_blocks) == 1, f"{unclosed.name} {' '.join(unclosed.args)}: its block is never closed"
+    root.block = open_blocks[0][1]
+    return root
+
+
+@pytest.fixture(scope="module")
+def balancer() -> _Directive:
+    return _nginx((ROOT / _NGINX_CONFIG).read_text(encoding="utf-8"))
+
+
+def _environment_of(compose: dict[str, Any], name: str, given: dict[str, str]) -> dict[str, str]:
+    """A service's environment as compose would give it, from the variables ``given``."""
+    return {
+        key: _resolved(str(value), given) for key, value in compose["services"][name]["environment"].items()
+    }
+
+
+def test_nginx_parser__refuses_what_nginx_would() -> None:
+    assert _nginx("a b;\nc { d 'e f'; } # g {")
+    for broken in ("a b", "a { b; ", "a; }", "a { b }", "a 'b;", ";"):
+        with pytest.raises(AssertionError):
+            _nginx(broken)
+
+
+def test_compose__webhooks_reach_every_replica_through_a_load_balancer(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    lb = services["lb"]
+    # A plain `up` (and the emulator demo) publish no webhook port: the balancer is asked for.
+    assert lb["profiles"] == ["webhooks"]
+    # An official image (library/, no registry): nothing built or pulled from elsewhere.
+    assert re.fullmatch(r"nginx:[\w.]+-alpine", lb["image"]), lb["image"]
+    assert "build" not in lb
+    assert lb["restart"] == "unless-stopped"
+    assert f"./{_NGINX_CONFIG}:/etc/nginx/conf.d/default.conf:ro" in lb["volumes"]
+    assert (ROOT / _NGINX_CONFIG).is_file()
+    # It starts once the replicas are healthy (a replica is healthy only once it listens:
+    # serve stops at start when its webhook address cannot be taken).
+    assert lb["depends_on"]["serve"]["condition"] == "service_healthy"
+    assert "lb" not in services["serve"].get("depends_on", {})
+    # The replicas are not published: webhooks reach them through the balancer only.
+    assert "ports" not in services["serve"]
+    assert services["serve"]["expose"] == [str(_LISTEN_PORT)]
+    assert services["serve"]["deploy"]["replicas"] == 2
+
+
+def test_compose__the_balancer_routes_the_webhook_path_to_serve_on_its_listen_port(
+    compose: dict[str, Any], balancer: _Directive
+) -> None:
+    from toolledger.runtime.webhook_intake import PATH
+
+    services = compose["services"]
+    (upstream,) = balancer.all("upstream")
+    (server,) = balancer.all("server")
+    # Round robin: nginx's default, with no other balancing method named.
+    for method in ("least_conn", "ip_hash", "hash", "random", "sticky", "least_time"):
+        assert not upstream.all(method), method
+    backends = upstream.all("server")
+    assert backends
+    listening = _environment_of(compose, "serve", {"TOOLLEDGER_WEBHOOK_SECRET": "whsec_x"})
+    for backend in backends:
+        host, _, port = backend.args[0].rpartition(":")
+        assert host in services, f"upstream {backend.args[0]}: no compose service {host!r}"
+        address = _environment_of(compose, host, {"TOOLLEDGER_WEBHOOK_SECRET": "whsec_x"})[
+            "TOOLLEDGER_LISTEN"
+        ]
+        assert address == f"0.0.0.0:{port}", f"{host} listens on {address!r}, the balancer sends to {port}"
+        # Every replica behind one name: re-resolved through Docker's DNS, which needs a
+        # resolver and the upstream in shared memory (nginx refuses `resolve` otherwise).
+        assert "resolve" in backend.args[1:]
+        assert upstream.all("zone")
+    assert listening["TOOLLEDGER_LISTEN"] == f"0.0.0.0:{_LISTEN_PORT}"
+    assert balancer.one("resolver").args[0] == "127.0.0.11", "Docker's embedded DNS"
+
+    routes = {" ".join(location.args): location for location in server.all("location")}
+    webhooks = routes[f"= {PATH}"]
+    # No URI after the upstream's name: the request's own path (/webhooks/agents) is passed.
+    assert webhooks.one("proxy_pass").args == [f"http://{upstream.args[0]}"]
+    # A POST goes to another replica only when the first never answered: safe, a webhook
+    # taken twice is recorded once (its webhook-id).
+    retried = webhooks.one("proxy_next_upstream").args
+    assert "non_idempotent" in retried
+    assert not [condition for condition in retried if condition.startswith("http_4")]
+    # Nothing but webhooks (and its own health) through the balancer.
+    assert routes["/"].one("return").args == ["404"]
+    assert set(routes) == {f"= {PATH}", "= /healthz", "/"}
+
+    (listen,) = server.one("listen").args
+    published = [str(port).rsplit(":", 1) for port in services["lb"]["ports"]]
+    assert [container for _, container in published] == [listen]
+    assert _resolved(published[0][0], {}) == str(_LISTEN_PORT), "the documented default port"
+    probe = services["lb"]["healthcheck"]["test"]
+    assert probe[0] == "CMD"
+    assert probe[-1] == f"http://127.0.0.1:{listen}/healthz"
+    assert routes["= /healthz"].one("return").args[0] == "200"
+
+
+def test_compose__no_webhook_secret_or_agent_is_made_up(compose: dict[str, Any]) -> None:
+    text = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert not re.search(r"whsec_[A-Za-z0-9+/=]", text), "a signing secret in the compose file"
+    assert not re.search(r"agt_[A-Za-z0-9]", text), "an agent id in the compose file"
+    environment = compose["services"]["serve"]["environment"]
+    for name in ("TOOLLEDGER_AGENT_IDS", "TOOLLEDGER_WEBHOOK_SECRET", "TOOLLEDGER_WEBHOOK_PREVIOUS_SECRET"):
+        assert environment[name] == f"${{{name}:-}}", name
+    # The audit API, migrate and the emulator have no use for them.
+    for name in ("migrate", "api", "emulator"):
+        assert "TOOLLEDGER_WEBHOOK_SECRET" not in compose["services"][name]["environment"], name
+
+
+_SECRET = "whsec_" + base64.b64encode(b"test-only-signing-secret-0123456").decode()
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"),
+    [
+        ({}, "watch"),
+        ({"TOOLLEDGER_AGENT_IDS": "agt_a, agt_b"}, "agents"),
+        ({"TOOLLEDGER_AGENT_IDS": "agt_a", "TOOLLEDGER_WEBHOOK_SECRET": _SECRET}, "webhooks"),
+        ({"TOOLLEDGER_WEBHOOK_SECRET": _SECRET}, "refused"),
+    ],
+)
+def test_compose__serve_listens_only_with_a_secret(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch, given: dict[str, str], mode: str
+) -> None:
+    """serve's settings, from the environment the compose file gives it: without the intake's
+    variables it follows watched sessions only, as before; with agents it sweeps; with a
+    secret too it listens; a secret without agents stops serve at start, saying why."""
+    for name, value in _environment_of(compose, "serve", given).items():
+        monkeypatch.setenv(name, value)
+    settings = Settings(_env_file=None)
+    if mode == "watch":
+        assert (settings.agent_ids, settings.listen, settings.webhook_secret) == ((), None, None)
+    if mode == "agents":
+        assert (settings.agent_ids, settings.listen) == (("agt_a", "agt_b"), None)
+    if mode == "webhooks":
+        assert settings.listen_address == ("0.0.0.0", _LISTEN_PORT)
+        assert settings.webhook_secret is not None
+        assert settings.webhook_secret.get_secret_value() == _SECRET
+    if mode == "refused":
+        assert "TOOLLEDGER_AGENT_IDS" in (settings.intake_problem() or "")
+    else:
+        assert settings.intake_problem() is None
+    assert settings.webhook_previous_secret is None
+
+
 def test_compose__config_is_valid_for_compose_itself(tmp_path: Path) -> None:
     """Where a compose binary exists (CI machines may have one), it parses the file."""
     for command in (["docker", "compose"], ["docker-compose"]):
@@ -114,6 +323,8 @@ def test_compose__config_is_valid_for_compose_itself(tmp_path: Path) -> None:
                 "emulator",
                 "--profile",
                 "api",
+                "--profile",
+                "webhooks",
                 "config",
                 "-q",
             ],
@@ -146,7 +357,8 @@ def test_compose__every_toolledger_command_parses(compose: dict[str, Any]) -> No
         for args in commands:
             _parses(args)
             checked += 1
-        assert name == "postgres" or commands, f"{name} runs no toolledger command"
+        # postgres and the load balancer run images of their own.
+        assert "build" not in service or commands, f"{name} runs no toolledger command"
     assert checked >= 5
 
 
@@ -300,3 +512,32 @@ def test_compose__commands_run_outside_docker(
     )
     assert gone.returncode == 1, "a host whose serve stopped is not healthy, whatever the database"
     assert "no live replica of" in gone.stdout
+
+
+def test_deploying_doc__names_real_events_settings_and_files() -> None:
+    """docs/deploying.md against what it describes: the SDK's session events, toolledger's
+    variables, the files it links to."""
+    import openai
+
+    from toolledger.runtime.webhook_intake import LOOK_EVENTS, PATH
+    from toolledger.settings_reference import options
+
+    doc = (ROOT / "docs" / "deploying.md").read_text(encoding="utf-8")
+    events = Path(openai.__file__).parent / "types" / "webhooks"
+    sdk_events = {
+        match
+        for path in events.glob("agent_session_*_webhook_event.py")
+        for match in re.findall(r'type: Literal\["(agent\.session\.[a-z_]+)"\]', path.read_text("utf-8"))
+    }
+    assert sdk_events >= LOOK_EVENTS
+    for event in sdk_events:
+        assert f"`{event}`" in doc, event
+    assert f"https://<your host>{PATH}" in doc
+    known = {option.variable for option in options()} | {"TOOLLEDGER_TOOLS", "TOOLLEDGER_WEBHOOK_PORT"}
+    named = set(re.findall(r"TOOLLEDGER_[A-Z_]+", doc))
+    assert named <= known, named - known
+    compose_text = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert "${TOOLLEDGER_WEBHOOK_PORT:-8090}" in compose_text
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc):
+        if "://" not in target:
+            assert (ROOT / "docs" / target).resolve().exists(), target
