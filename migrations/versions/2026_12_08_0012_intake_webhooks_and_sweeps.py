@@ -55,6 +55,7 @@ def upgrade() -> None:
         "agent_sweeps",
         sa.Column("agent_id", sa.String(length=255), nullable=False),
         sa.Column("watermark", sa.BigInteger(), nullable=True),
+        sa.Column("resume_after", sa.String(length=255), nullable=True),
         sa.Column("runs", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
         sa.Column("owner", sa.String(length=255), nullable=True),
         sa.Column("lease_expires_at", sa.DateTime(timezone=True), nullable=True),

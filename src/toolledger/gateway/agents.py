@@ -249,11 +249,13 @@ class AgentsGateway:
             raise _auth_error(error) from error
         return found
 
-    async def agent_sessions(self, agent_id: str) -> AsyncIterator[AgentSession]:
-        """The sessions of one agent, newest first, page by page as the caller reads on."""
+    async def agent_sessions(self, agent_id: str, *, after: str | None = None) -> AsyncIterator[AgentSession]:
+        """The sessions of one agent, newest first (those older than ``after``, if given), page
+        by page as the caller reads on."""
+        options: dict[str, Any] = {} if after is None else {"after": after}
         try:
             async for session in self.client.beta.agents.sessions.list(
-                agent_id=agent_id, order="desc", limit=DISCOVERY_PAGE
+                agent_id=agent_id, order="desc", limit=DISCOVERY_PAGE, **options
             ):
                 yield session
         except _REFUSED_CREDENTIALS as error:

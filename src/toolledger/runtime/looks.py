@@ -9,8 +9,9 @@ submitted, and the look is given back (due again at a known wait's end). Nothing
 session between looks: a replica's memory does not grow with the number of sessions.
 
 The sweep pages each configured agent's sessions newest first, down to the watermark the
-previous sweep left (a full pass every ``FULL_SWEEP_EVERY`` sweeps), and asks for a look at
-those that require an action: what a dropped webhook, or no webhook at all, leaves waiting.
+previous sweep left, then a rolling share of the older ones (``ROLLING_SESSIONS``, on from
+where the previous sweep stopped), and asks for a look at those that require an action: what
+a dropped webhook, or no webhook at all, leaves waiting.
 One replica sweeps an agent at a time (a lease on its ``agent_sweeps`` row).
 """
 
@@ -45,9 +46,11 @@ the ledger runs each call once; the second look finds them running and waits."""
 LOOK_POLL_SECONDS = 0.25
 """How often a replica asks the database for due looks (its own webhooks wake it at once)."""
 LOOK_AGAIN_AFTER_FAILURE = 5.0
-FULL_SWEEP_EVERY = 20
-"""Every this many sweeps of an agent, the sweep pages all its sessions, not just those since
-the watermark: an older session's dropped webhook is found then (within 10 min by default)."""
+ROLLING_SESSIONS = 1000
+"""Older sessions (below the watermark) each sweep pages on from where the last one stopped,
+wrapping around at the end: an agent with up to this many sessions has all of them looked
+over at every sweep; one with N more, within N / ROLLING_SESSIONS sweeps. A long-lived
+session's next turn, whose webhook is lost, is found that way."""
 SWEEP_STATUSES = frozenset({"requires_action", "budget_reached"})
 
 
@@ -208,22 +211,33 @@ class Sweeper:
             await asyncio.sleep(min(max(self.every / 4, 0.05), 5.0))
 
     async def sweep(self, claim: SweepClaim) -> int:
-        """Page the agent's sessions down to the watermark; ask for a look at those awaiting an
-        action. Returns how many were found."""
-        full = claim.runs % FULL_SWEEP_EVERY == 0 or claim.watermark is None
-        floor = None if full else claim.watermark - self.overlap  # type: ignore[operator]
+        """Page the agent's new sessions (down to the watermark), then go on with the rolling
+        pass over older ones (``ROLLING_SESSIONS`` of them, from where the last sweep
+        stopped); ask for a look at those awaiting an action. Returns how many were found."""
         newest: int | None = None
-        found: list[str] = []
+        found: dict[str, None] = {}
         paged = 0
         started = time.monotonic()
         try:
-            async for session in self.gateway.agent_sessions(claim.agent_id):
+            if claim.watermark is not None:
+                floor = claim.watermark - self.overlap
+                async for session in self.gateway.agent_sessions(claim.agent_id):
+                    paged += 1
+                    newest = session.created_at if newest is None else max(newest, session.created_at)
+                    if session.created_at < floor:
+                        break
+                    if session.status in SWEEP_STATUSES:
+                        found[session.id] = None
+            rolled, resume_after = 0, None
+            async for session in self.gateway.agent_sessions(claim.agent_id, after=claim.resume_after):
                 paged += 1
+                rolled += 1
                 newest = session.created_at if newest is None else max(newest, session.created_at)
-                if floor is not None and session.created_at < floor:
-                    break
                 if session.status in SWEEP_STATUSES:
-                    found.append(session.id)
+                    found[session.id] = None
+                if rolled >= ROLLING_SESSIONS:
+                    resume_after = session.id  # the next sweep goes on after it
+                    break
         except AgentsAuthError:
             raise
         except Exception as error:
@@ -233,25 +247,26 @@ class Sweeper:
             )
             raise
         if found:
-            await self.sessions.request_looks(found, intake="sweep", agent_id=claim.agent_id)
+            await self.sessions.request_looks(list(found), intake="sweep", agent_id=claim.agent_id)
             metrics.SWEPT_SESSIONS.inc(len(found))
             if self._on_found is not None:
                 self._on_found()
-        await self.store.finish_sweep(claim, self.owner, watermark=newest, found=len(found))
+        await self.store.finish_sweep(
+            claim, self.owner, watermark=newest, found=len(found), resume_after=resume_after
+        )
         metrics.SWEEPS.labels("done").inc()
-        level = logging.INFO if found else logging.DEBUG
         log.log(
-            level,
-            "swept agent %s (%s): %d session(s) paged, %d requiring an action (%.2fs)",
+            logging.INFO if found else logging.DEBUG,
+            "swept agent %s: %d session(s) paged (the rolling pass %s), %d requiring an action (%.2fs)",
             claim.agent_id,
-            "full" if full else "since the watermark",
             paged,
+            "wrapped around" if resume_after is None else f"goes on after {resume_after}",
             len(found),
             time.monotonic() - started,
         )
-        if full:
+        if resume_after is None:
             await self.store.prune_deliveries()
         return len(found)
 
 
-__all__ = ["FULL_SWEEP_EVERY", "LookTaker", "Sweeper"]
+__all__ = ["ROLLING_SESSIONS", "LookTaker", "Sweeper"]

@@ -34,6 +34,7 @@ class SweepClaim:
     agent_id: str
     watermark: int | None
     runs: int
+    resume_after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class SweepRecord:
     last_run_at: datetime | None
     last_found: int | None
     last_error: str | None
+    resume_after: str | None = None
 
 
 @uninterrupted_on_sqlite
@@ -110,17 +112,25 @@ class IntakeStore:
                 ),
             )
             .values(owner=owner, lease_expires_at=utc_after(float(lease_seconds)))
-            .returning(agent_sweeps.c.watermark, agent_sweeps.c.runs)
+            .returning(agent_sweeps.c.watermark, agent_sweeps.c.runs, agent_sweeps.c.resume_after)
         )
         async with write_transaction(self.engine) as conn:
             await conn.execute(new_row)
             row = (await conn.execute(statement)).first()
-        return None if row is None else SweepClaim(agent_id, row.watermark, row.runs)
+        return None if row is None else SweepClaim(agent_id, row.watermark, row.runs, row.resume_after)
 
     async def finish_sweep(
-        self, claim: SweepClaim, owner: str, *, watermark: int | None, found: int, error: str | None = None
+        self,
+        claim: SweepClaim,
+        owner: str,
+        *,
+        watermark: int | None,
+        found: int,
+        resume_after: str | None = None,
+        error: str | None = None,
     ) -> None:
-        """The sweep ran (or failed, with ``error``): its watermark moves on, its lease is given back."""
+        """The sweep ran (or failed, with ``error``, keeping where the rolling pass was): its
+        watermark moves on, its lease is given back."""
         values: dict[str, object] = {
             "owner": None,
             "lease_expires_at": None,
@@ -129,6 +139,8 @@ class IntakeStore:
             "last_found": found,
             "last_error": None if error is None else redact_text(error)[:500],
         }
+        if error is None:
+            values["resume_after"] = resume_after
         if watermark is not None:
             values["watermark"] = func.coalesce(
                 func.greatest(agent_sweeps.c.watermark, watermark)
@@ -155,6 +167,7 @@ class IntakeStore:
                     last_run_at=row.last_run_at,
                     last_found=row.last_found,
                     last_error=row.last_error,
+                    resume_after=row.resume_after,
                 )
                 for row in rows
             ]

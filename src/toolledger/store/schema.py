@@ -335,6 +335,7 @@ agent_sweeps = Table(
     metadata,
     Column("agent_id", String(255), primary_key=True),
     Column("watermark", BigInteger),
+    Column("resume_after", String(255)),
     Column("runs", BigInteger, nullable=False, server_default=text("0")),
     Column("owner", String(255)),
     Column("lease_expires_at", UtcDateTime()),
@@ -343,8 +344,9 @@ agent_sweeps = Table(
     Column("last_error", Text),
 )
 """Per configured agent, its sessions' sweep: ``watermark`` (the ``created_at`` of the newest
-session the last sweep saw: the next one pages down to it), who sweeps now (one replica, under
-a lease) and how the last run went."""
+session the last sweep saw: the next one pages down to it), ``resume_after`` (the session the
+rolling pass over older sessions stopped after: the next sweep goes on from there), who sweeps
+now (one replica, under a lease) and how the last run went."""
 
 alert_cursors = Table(
     "alert_cursors",
