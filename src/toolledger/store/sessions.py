@@ -272,6 +272,11 @@ class SessionStore:
             .limit(limit)
             .with_for_update(skip_locked=True)
         )
+        # Polled every quarter second by every replica: a read first, so that an idle poll
+        # takes no lock (on SQLite, the one write lock the process's calls need).
+        async with self.engine.connect() as conn:
+            if (await conn.execute(select(sessions.c.session_id).where(due).limit(1))).first() is None:
+                return []
         statement = (
             sessions.update()
             .where(sessions.c.session_id.in_(candidates.scalar_subquery()), due)
