@@ -11,6 +11,8 @@ with default settings; how long until the model has every answer). ``--quick`` r
 part at toy sizes, for CI (a few minutes, most of it the crash part waiting out today's
 leases): it fails on errors, never on timings. ``statements`` measures one hot write through
 the store, through SQLAlchemy Core on a held connection, and through psycopg directly.
+``intake`` serves N sessions x 1 call of one agent through signed webhooks (1 and 2 replicas)
+and through watched streams (1 replica): ack and webhook-to-result times, calls/s, RSS.
 
 The PostgreSQL database named by ``--database-url`` (its name must contain "bench") is
 dropped and created again, more than once.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks import crash, ledger_path, service, statements
+from benchmarks import crash, intake, ledger_path, service, statements
 from benchmarks.report import Figure, print_table, write_json
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/toolledger_bench_suite"
@@ -33,7 +35,8 @@ LEDGER_PARTS = {"ceiling", "latency", "peer", "growth"}
 SERVICE_PARTS = {"e2e", "recovery", "memory"}
 STATEMENT_PARTS = {"statements"}
 CRASH_PARTS = {"crash"}
-ALL_PARTS = LEDGER_PARTS | SERVICE_PARTS | CRASH_PARTS | STATEMENT_PARTS
+INTAKE_PARTS = {"intake"}
+ALL_PARTS = LEDGER_PARTS | SERVICE_PARTS | CRASH_PARTS | STATEMENT_PARTS | INTAKE_PARTS
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         figures += asyncio.run(
             crash.run(arguments.database_url, arguments.quick, progress, skipped, arguments.parts)
         )
+    if arguments.parts & INTAKE_PARTS:
+        figures += asyncio.run(intake.run(arguments.database_url, arguments.quick, progress))
     mode = "quick" if arguments.quick else "full"
     print_table(Console(), figures, f"toolledger benchmarks ({mode})")
     for part, reason in skipped.items():

@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from tests.support.databases import require_postgres, server_url
 from tests.support.paths import ROOT
 
-PARTS = {"ceiling", "latency", "peer", "growth", "e2e", "recovery", "memory", "crash", "statements"}
+PARTS = {"ceiling", "latency", "peer", "growth", "e2e", "recovery", "memory", "crash", "statements", "intake"}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -360,3 +361,24 @@ async def test_emulator_webhooks__all_dropped__the_sweep_answers(
 
     assert_exactly_once(emulator, [session_id], effects_file, 2)
     assert "webhook_accepted" not in counts, "no webhook arrived: the sweep found both steps"
+
+
+async def test_webhook_intake__serve_at_warning__writes_no_access_line_per_webhook(
+    sqlite_url: str, emulator: EmulatorServer
+) -> None:
+    """uvicorn takes the process's level: `serve --log-level warning` with the intake wrote an
+    info access line per webhook (uvicorn's default level overrode serve's)."""
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.access"), logging.getLogger("uvicorn.error")]
+    levels = [logger.level for logger in loggers]
+    logging.getLogger().setLevel(logging.WARNING)
+    try:
+        agent_id = await new_agent(emulator)
+        async with intake_service(sqlite_url, emulator, agent_id) as service:
+            answer = await send(webhook_url(service), event("agent.session.created", "sess_quiet"))
+            access_at_info = logging.getLogger("uvicorn.access").isEnabledFor(logging.INFO)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+    assert answer.status_code == 200
+    assert not access_at_info

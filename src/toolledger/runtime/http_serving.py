@@ -44,12 +44,14 @@ async def serve_app(
     name: str,
     stop: asyncio.Event | None = None,
     on_listening: Callable[[str, int], None] | None = None,
-    log_level: str = "info",
+    log_level: str | int = "info",
     lifespan: Literal["on", "off"] = "on",
     shared_port: bool = False,
 ) -> None:
     """Serve ``app`` until ``stop`` is set or the task is cancelled; ``on_listening(host, port)``
-    is called once connections are accepted (with the real port when ``port`` is 0)."""
+    is called once connections are accepted (with the real port when ``port`` is 0).
+    ``log_level``: uvicorn sets its own loggers (``uvicorn.error``, ``uvicorn.access``) to it,
+    whatever the process's level."""
     sock = listening_socket(host, port, shared=shared_port)
     config = uvicorn.Config(
         app,

@@ -281,7 +281,18 @@ class Service:
 
         server = asyncio.create_task(
             serve_app(
-                self._webhooks.app(), *address, name="webhook intake", on_listening=bound, lifespan="off"
+                self._webhooks.app(),
+                *address,
+                name="webhook intake",
+                on_listening=bound,
+                lifespan="off",
+                # `serve --processes N`: every process listens on the port, the kernel spreads
+                # the webhooks among them.
+                shared_port=True,
+                # The process's level (serve's --log-level): uvicorn's default, info, wrote an
+                # access line per webhook under `serve --log-level warning` (10,000 lines for
+                # the intake benchmark's 10,000 sessions).
+                log_level=logging.getLogger().getEffectiveLevel(),
             ),
             name="webhook intake",
         )
