@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -382,3 +383,27 @@ async def test_webhook_intake__serve_at_warning__writes_no_access_line_per_webho
 
     assert answer.status_code == 200
     assert not access_at_info
+
+
+async def test_listen__two_replicas_on_one_port__both_take_webhooks(
+    postgres_url: str, emulator: EmulatorServer, effects_file: Path
+) -> None:
+    """`serve --processes N --listen` starts N processes on one address: the port is shared
+    (SO_REUSEPORT), not refused to all but the first."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent_id = await new_agent(emulator)
+    listen = f"127.0.0.1:{port}"
+    async with (
+        intake_service(postgres_url, emulator, agent_id, listen=listen) as first,
+        intake_service(postgres_url, emulator, agent_id, listen=listen) as second,
+    ):
+        assert first.webhook_address == second.webhook_address == ("127.0.0.1", port)
+        session_ids = [await new_session(emulator, agent_id) for _ in range(3)]
+        for session_id in session_ids:
+            answer = await send(webhook_url(first), event("agent.session.action_required", session_id))
+            assert answer.status_code == 200
+        await wait_until_idle(emulator, session_ids)
+
+    assert_exactly_once(emulator, session_ids, effects_file, 2)
