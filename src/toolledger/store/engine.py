@@ -290,7 +290,10 @@ def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(utc_after, "sqlite")
 def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', '+' || ({seconds}) || ' seconds')"
+    # The modifier spelled with its own sign ('+2.500000 seconds', '-30.000000 seconds'): a '+'
+    # put before a negative number ('+-30.0 seconds') is no modifier, and strftime gives NULL,
+    # which compares as neither earlier nor later than anything.
+    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', printf('%+f seconds', {seconds}))"
 
 
 class seconds_until(expression.FunctionElement[float]):
