@@ -74,3 +74,32 @@ async def test_heartbeat__removes_the_rows_of_replicas_dead_for_an_hour(engine: 
     async with engine.connect() as conn:
         left = set((await conn.execute(select(replicas.c.replica_id))).scalars())
     assert left == {"just-dead", "alive"}
+
+
+async def test_holders__a_dead_replica_holding_only_looks__is_one_to_check(engine: AsyncEngine) -> None:
+    """A replica that served only intake sessions holds no session lease and, between calls,
+    no call: once its own registration ran out, its looks' leases (30 s) were all it held, and
+    nobody asked whether it was gone: its looks waited them out."""
+    sessions = SessionStore(engine)
+    await sessions.heartbeat_replica("dead", hostname="h", pid=1, lease_seconds=0.3)
+    await sessions.request_looks(["sess_1"], intake="webhook")
+    assert [claim.session_id for claim in await sessions.claim_looks("dead", 10, 30.0)] == ["sess_1"]
+    await asyncio.sleep(0.6)  # its registration ran out; its look's lease runs on
+
+    assert "dead" in await sessions.holders()
+
+    await sessions.retire_replicas({"dead"})
+    assert [claim.session_id for claim in await sessions.claim_looks("alive", 10, 30.0)] == ["sess_1"]
+
+
+async def test_sweep_of_a_replica_found_gone__is_released_at_once(engine: AsyncEngine) -> None:
+    """A replica killed mid-sweep held the agent's sweep for its whole lease (60 s at least):
+    no other replica swept meanwhile, and a dropped webhook's session waited as long."""
+    store = IntakeStore(engine)
+    assert await store.claim_sweep("agent_a", "dead", every_seconds=2.0, lease_seconds=60) is not None
+    assert await store.sweep_holders() == {"dead"}
+
+    assert await store.release_sweeps({"dead"}) == 1
+
+    assert await store.sweep_holders() == set()
+    assert await store.claim_sweep("agent_a", "alive", every_seconds=2.0, lease_seconds=60) is not None
