@@ -48,17 +48,24 @@ EVERY_CLASS_CALLS = 6
 
 
 async def start_sessions(
-    emulator: EmulatorServer, count: int, script: Script | None = None, **metadata: str
+    emulator: EmulatorServer,
+    count: int,
+    script: Script | None = None,
+    *,
+    agent_id: str | None = None,
+    **metadata: str,
 ) -> list[str]:
+    """``agent_id``: sessions of that saved agent (else each has an inline agent of its own)."""
     encoded = (script or shop_script()).model_dump_json()
+    agent: dict[str, Any] = {"agent_id": agent_id} if agent_id else {"agent": {"model": "emulated"}}
     async with AsyncOpenAI(base_url=emulator.base_url, api_key="sk-test") as client:
         created = await asyncio.gather(
             *(
                 client.beta.agents.sessions.create(
                     environment={"type": "none"},
-                    agent={"model": "emulated"},
                     metadata={"emulator_script": encoded, **metadata},
                     input="go",
+                    **agent,
                 )
                 for _ in range(count)
             )

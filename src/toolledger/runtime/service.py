@@ -574,15 +574,21 @@ class Service:
                 )
 
     async def _take_over_gone(self) -> bool:
-        """Retire the replicas provably gone (store.liveness): free their session leases and
-        make their running calls ``unknown``, to be settled by effect class. True if any."""
+        """Retire the replicas provably gone (store.liveness): free their session leases, give
+        back their looks and sweeps, and make their running calls ``unknown``, to be settled by
+        effect class. True if any."""
         # Only those that still hold something: once taken over, a replica holds nothing and
         # is not looked at again (and one wrongly taken for gone is, once it holds again).
         holding = await self.sessions.holders() | await self.ledger.store.running_owners()
+        intake = self.ledger.runtime.intake_store() if self.settings.agent_ids else None
+        if intake is not None:
+            holding |= await intake.sweep_holders()
         gone = await self.ledger.liveness.gone(holding - {self.replica_id})
         if not gone:
             return False
         freed = await self.sessions.retire_replicas(gone)
+        if intake is not None:
+            await intake.release_sweeps(gone)
         taken = await self.ledger.store.expire_leases(gone_owners=gone)
         if self._alerts is not None:
             await self._alerts.take_over_from(gone)

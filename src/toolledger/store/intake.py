@@ -7,6 +7,7 @@ the sender to stop retrying is answered only once the session is sure to be look
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -118,6 +119,27 @@ class IntakeStore:
             await conn.execute(new_row)
             row = (await conn.execute(statement)).first()
         return None if row is None else SweepClaim(agent_id, row.watermark, row.runs, row.resume_after)
+
+    async def sweep_holders(self) -> set[str]:
+        """Replicas holding an agent's sweep under a lease still running."""
+        statement = select(agent_sweeps.c.owner).where(
+            agent_sweeps.c.owner.is_not(None), agent_sweeps.c.lease_expires_at >= utc_now()
+        )
+        async with self.engine.connect() as conn:
+            return {owner for owner in (await conn.execute(statement)).scalars() if owner}
+
+    async def release_sweeps(self, owners: Collection[str]) -> int:
+        """The sweeps of replicas known to be gone, given back at once (due as they were), not
+        when their leases run out; how many."""
+        if not owners:
+            return 0
+        statement = (
+            agent_sweeps.update()
+            .where(agent_sweeps.c.owner.in_(sorted(owners)))
+            .values(owner=None, lease_expires_at=None)
+        )
+        async with write_transaction(self.engine) as conn:
+            return (await conn.execute(statement)).rowcount
 
     async def finish_sweep(
         self,

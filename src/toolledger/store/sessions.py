@@ -412,15 +412,20 @@ class SessionStore:
             return freed.rowcount
 
     async def holders(self) -> set[str]:
-        """Replicas that may hold something: counted live, or owning a session lease still
-        running. (A replica already retired holds nothing here; its call leases are the
-        ledger's to list.)"""
+        """Replicas that may hold something: counted live, or owning a session lease or a
+        look's lease still running (an intake-only replica may hold nothing else once its own
+        registration ran out). (A replica already retired holds nothing here; its call leases
+        are the ledger's to list, its sweeps the intake store's.)"""
         async with self.engine.connect() as conn:
             live = select(replicas.c.replica_id).where(replicas.c.expires_at >= utc_now())
             leasing = select(sessions.c.owner).where(
                 sessions.c.owner.is_not(None), sessions.c.lease_expires_at >= utc_now()
             )
-            return {owner for owner in (await conn.execute(live.union(leasing))).scalars() if owner}
+            looking = select(sessions.c.look_owner).where(
+                sessions.c.look_owner.is_not(None), sessions.c.look_expires_at >= utc_now()
+            )
+            held = live.union(leasing, looking)
+            return {owner for owner in (await conn.execute(held)).scalars() if owner}
 
     async def fair_share(self) -> int:
         """How many watched sessions each live replica should own."""
