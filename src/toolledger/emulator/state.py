@@ -929,7 +929,10 @@ class EmulatorState:
                     yield StreamEnd.END
                     return
                 try:
-                    item = await asyncio.wait_for(subscriber.queue.get(), self.keepalive_seconds)
+                    # Not wait_for: on 3.11 it swallows a cancellation that comes as an item
+                    # does (gh-86296), and a stream the client left would run on.
+                    async with asyncio.timeout(self.keepalive_seconds):
+                        item = await subscriber.queue.get()
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue

@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import Collection, Iterable
-from contextlib import suppress
 from urllib.parse import urlsplit
 
 import httpx2
@@ -29,6 +28,7 @@ from toolledger.errors import ConfigurationError
 from toolledger.metrics import ALERT_POSTS
 from toolledger.runtime.alert_signature import ALERT_ID_HEADER, SIGNATURE_HEADER, sign_alert
 from toolledger.runtime.loop_logging import log_failure
+from toolledger.runtime.wakeups import woken_within
 from toolledger.settings import Settings
 from toolledger.store.alerts import AlertLease, AlertNote, AlertStore, EventWindow
 from toolledger.version import __version__
@@ -117,8 +117,7 @@ class AlertSender:
             if lease is None:
                 # Another replica sends; its lease runs out if it dies (or is freed at once
                 # when it is found gone: ``take_over_from``).
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(self.poll_seconds, self.lease_seconds / 3))
+                await woken_within(self._wake, max(self.poll_seconds, self.lease_seconds / 3))
                 self._wake.clear()
                 continue
             if not self._announced:

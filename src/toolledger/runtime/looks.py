@@ -22,7 +22,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from contextlib import suppress
 
 from toolledger import metrics
 from toolledger.domain.records import LookClaim
@@ -31,6 +30,7 @@ from toolledger.gateway.agents import AgentsGateway
 from toolledger.logs import log_fields
 from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler
+from toolledger.runtime.wakeups import woken_within
 from toolledger.settings import Settings
 from toolledger.store.intake import IntakeStore, SweepClaim
 from toolledger.store.sessions import SessionStore
@@ -101,8 +101,7 @@ class LookTaker:
                 log_failure(log, "claiming looks failed; retrying")
             if claimed and len(self._looking) < LOOKS_AT_ONCE:
                 continue  # more may be due
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), LOOK_POLL_SECONDS)
+            await woken_within(self._wake, LOOK_POLL_SECONDS)
 
     async def stop(self) -> None:
         tasks = list(self._looking.values())

@@ -22,7 +22,7 @@ import resource
 import socket
 import time
 from collections import OrderedDict
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -49,6 +49,7 @@ from toolledger.runtime.loop_logging import log_failure
 from toolledger.runtime.reconciler import Reconciler, SessionReconciliation
 from toolledger.runtime.registry import ToolRegistry
 from toolledger.runtime.tool_ledger import ToolLedger
+from toolledger.runtime.wakeups import woken_within
 from toolledger.runtime.webhook_intake import PATH as WEBHOOK_PATH
 from toolledger.runtime.webhook_intake import WebhookIntake
 from toolledger.settings import Settings
@@ -508,8 +509,7 @@ class Service:
     async def _lease_loop(self) -> None:
         renew_every = self.settings.session_lease_seconds / 3
         while True:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_leases.wait(), timeout=min(renew_every, WATCH_POLL_SECONDS))
+            await woken_within(self._wake_leases, min(renew_every, WATCH_POLL_SECONDS))
             woken = self._wake_leases.is_set()
             self._wake_leases.clear()
             try:
