@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import Float, bindparam, select
 
 from toolledger.store.engine import create_engine, utc_after, utc_now, write_transaction
 from toolledger.store.schema import replicas
@@ -28,6 +28,18 @@ async def test_utc_after__past_and_future__bracket_now(database_url: str) -> Non
     assert after is not None
     assert timedelta(seconds=3599) < now - before < timedelta(seconds=3601)
     assert timedelta(seconds=0.4) < after - now < timedelta(seconds=0.6)
+
+
+async def test_utc_after__no_seconds__is_no_time(database_url: str) -> None:
+    """A call recorded for approval without a timeout has no deadline (NULL), not one now."""
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            none = (await conn.execute(select(utc_after(bindparam("s", None, type_=Float))))).scalar_one()
+    finally:
+        await engine.dispose()
+
+    assert none is None
 
 
 async def test_heartbeat__a_replica_dead_for_over_an_hour__is_cleaned_up(database_url: str) -> None:

@@ -290,9 +290,10 @@ def _pg_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(utc_after, "sqlite")
 def _sqlite_after(element: utc_after, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    # printf's sign, not a '+' prefix: '+-3600 seconds' is no modifier, and the whole time was
-    # NULL for every time in the past (a sweep due again, long-dead replicas' rows).
-    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', printf('%+.6f seconds', {seconds}))"
+    # The number's own sign ('-3600 seconds', '30 seconds'): a '+' prefix made '+-3600
+    # seconds', no modifier, and every time in the past NULL (a sweep never due again,
+    # long-dead replicas' rows never cleaned up). NULL seconds stay a NULL time (no deadline).
+    return f"strftime('%Y-%m-%d %H:%M:%f000', 'now', ({seconds}) || ' seconds')"
 
 
 class seconds_until(expression.FunctionElement[float]):
