@@ -1,18 +1,18 @@
-"""Sending webhooks to a toolledger intake as the Agents API does (Standard Webhooks: an HMAC
-over ``id.timestamp.body``, keyed by the ``whsec_`` secret's bytes), for tests that play the
-sender themselves: a bad signature, a stale timestamp, a redelivery."""
+"""Sending webhooks to a toolledger intake as the Agents API does, signed as the emulator signs
+its own (Standard Webhooks), for tests that play the sender themselves: a bad signature, a
+stale timestamp, a redelivery."""
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import secrets
 import time
 from typing import Any
 
 import httpx
+
+from toolledger.emulator.webhooks import decode_secret, sign
 
 SECRET = "whsec_" + base64.b64encode(b"toolledger-test-webhook-secret!!").decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"a-secret-nobody-configured-here").decode()
@@ -35,13 +35,11 @@ def signed_headers(
     body: bytes, *, secret: str = SECRET, webhook_id: str | None = None, timestamp: int | None = None
 ) -> dict[str, str]:
     webhook_id = webhook_id or f"msg_{secrets.token_hex(8)}"
-    stamp = str(int(time.time()) if timestamp is None else timestamp)
-    key = base64.b64decode(secret.removeprefix("whsec_"))
-    mac = hmac.new(key, f"{webhook_id}.{stamp}.".encode() + body, hashlib.sha256).digest()
+    stamp = int(time.time()) if timestamp is None else timestamp
     return {
         "webhook-id": webhook_id,
-        "webhook-timestamp": stamp,
-        "webhook-signature": "v1," + base64.b64encode(mac).decode(),
+        "webhook-timestamp": str(stamp),
+        "webhook-signature": sign(decode_secret(secret), webhook_id, stamp, body),
         "content-type": "application/json",
     }
 

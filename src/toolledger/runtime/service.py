@@ -243,14 +243,15 @@ class Service:
         """Looks, the agents' sweeps and (with ``listen``) the webhook intake. Its address
         taken by another process stops the start-up: a replica behind a load balancer that
         cannot take webhooks must not look healthy."""
-        runtime, sessions, reconciler = self.ledger.runtime, self.sessions, self.reconciler
+        sessions, reconciler = self.sessions, self.reconciler
+        intake = self.ledger.runtime.intake_store()
         looks = LookTaker(
             self.settings, sessions, reconciler, self.ledger.gateway, self.replica_id, on_fatal=self._fail
         )
         self._looks = looks
         sweeper = Sweeper(
             self.settings,
-            runtime.intake_store(),
+            intake,
             sessions,
             self.ledger.gateway,
             self.replica_id,
@@ -272,7 +273,7 @@ class Service:
         from toolledger.runtime.http_serving import serve_app
 
         self._webhooks = WebhookIntake(
-            self.settings, runtime.intake_store(), self.ledger.gateway, on_look_requested=looks.wake
+            self.settings, intake, self.ledger.gateway, on_look_requested=looks.wake
         )
         listening: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
 
